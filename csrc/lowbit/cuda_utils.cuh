@@ -1,0 +1,65 @@
+// Device helpers shared by the CUDA kernels: element types, 8-wide vector
+// loads/stores (16 bytes for 16-bit types), warp reductions, launch helpers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "lowbit/common.h"
+
+namespace lowbit::cuda {
+
+template <DType D> struct DeviceType;
+template <> struct DeviceType<DType::kFloat32> { using type = float; };
+template <> struct DeviceType<DType::kFloat16> { using type = __half; };
+template <> struct DeviceType<DType::kBFloat16> { using type = __nv_bfloat16; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Loads 8 consecutive elements starting at p (16-byte aligned for 16-bit
+// types, 32-byte aligned for float) and widens them to float.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
+  static_assert(sizeof(T) == 2, "16-bit element types");
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
+}
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float (&out)[8]) {
+  float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&in)[8]) {
+  static_assert(sizeof(T) == 2, "16-bit element types");
+  uint4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = from_float<T>(in[i]);
+  *reinterpret_cast<uint4*>(p) = v;
+}
+template <>
+__device__ __forceinline__ void store8<float>(float* p, const float (&in)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+}
+
+// Streaming multiprocessors of the current device, cached per device.
+int num_sms();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace lowbit::cuda

@@ -1,0 +1,145 @@
+// NVFP4: the element and scale codecs and the reference quantization rule,
+// usable on host and device (CPU reference kernels and CUDA kernels share it,
+// which is what makes them agree bit for bit).
+//
+// Format (DESIGN.md):
+//   element  E2M1, 4 bits: bit 3 sign, bits 2..0 index {0,.5,1,1.5,2,3,4,6}.
+//            Two per byte: element 2j in the low nibble, 2j+1 in the high.
+//   block    one FP8 E4M3 (fn: no inf, 0x7f/0xff NaN, max 448) per 16
+//            consecutive elements along K.
+//   global   one float32 per tensor (or per expert):
+//            value = e2m1 * float(block_scale) * global.
+//
+// Quantization rule (all float32, each operation rounded as written):
+//   global  s = amax / 2688                  (2688 = 6 * 448), or caller-given
+//   block   b = e4m3(clamp(block_amax / 6 / s, 2^-6, 448))
+//   element q = e2m1(clamp(x / (s * float(b)), -6, 6))
+// e4m3() and e2m1() round to nearest, ties to the even code; e2m1 keeps the
+// sign, so a negative value that rounds to zero is code 8 (-0).
+//
+// Non-finite input and degenerate scales (tested in tests/cpp):
+//   * amax reductions propagate NaN: a block holding a NaN gets the NaN block
+//     scale 0x7f and dequantizes to NaN; a NaN anywhere makes s NaN, so the
+//     whole tensor dequantizes to NaN.
+//   * +-inf makes s = inf: every block scale clamps to 2^-6, every element
+//     to +-0, and the tensor dequantizes to NaN (0 * inf). Non-finite input
+//     never turns into finite output.
+//   * an all-zero tensor gives s = 0; the block ratio is then defined as 0
+//     (scale 2^-6) and every element encodes as +-0, dequantizing to zeros.
+//   * x / (s * b) that is NaN encodes as +0 (its block scale is NaN anyway);
+//     +-inf saturates to +-6 (only possible with a caller-given scale).
+#pragma once
+
+#include "lowbit/common.h"
+
+namespace lowbit::nvfp4 {
+
+constexpr int kBlockSize = 16;            // elements per block scale
+constexpr float kE2M1Max = 6.0f;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kE4M3MinNormal = 0.015625f;  // 2^-6
+constexpr float kGlobalDivisor = 2688.0f;    // kE2M1Max * kE4M3Max
+constexpr uint8_t kE4M3NaN = 0x7f;
+
+// ---- E2M1 -------------------------------------------------------------------
+
+// Decodes the low 4 bits of `code`. The magnitude bits are an exponent (2 bits,
+// bias 1) and one mantissa bit; exponent 0 is the subnormal 0 / 0.5.
+LOWBIT_HD float e2m1_to_float(uint32_t code) {
+  uint32_t sign = (code & 8u) << 28;
+  uint32_t exp = (code >> 1) & 3u;
+  uint32_t mant = code & 1u;
+  uint32_t mag = exp ? ((exp + 126u) << 23) | (mant << 22) : (mant ? 0x3f000000u : 0u);
+  return bits_float(sign | mag);
+}
+
+// Round to nearest E2M1 code, ties to even code, saturating at 6.
+// Decision points are the midpoints 0.25 .75 1.25 1.75 2.5 3.5 5; at a tie
+// the even code wins (0, 1, 2, 4 and the codes of 0, 1.0, 2.0, 4.0).
+LOWBIT_HD uint8_t float_to_e2m1(float x) {
+  if (is_nan(x)) return 0;
+  uint8_t sign = (float_bits(x) >> 31) ? 8 : 0;
+  float a = x < 0.f ? -x : x;
+  uint8_t m;
+  if (a <= 0.25f) m = 0;
+  else if (a < 0.75f) m = 1;
+  else if (a <= 1.25f) m = 2;
+  else if (a < 1.75f) m = 3;
+  else if (a <= 2.5f) m = 4;
+  else if (a < 3.5f) m = 5;
+  else if (a <= 5.0f) m = 6;
+  else m = 7;
+  return static_cast<uint8_t>(sign | m);
+}
+
+// ---- E4M3 (fn) --------------------------------------------------------------
+
+LOWBIT_HD float e4m3_to_float(uint32_t code) {
+  uint32_t sign = (code & 0x80u) << 24;
+  uint32_t exp = (code >> 3) & 15u;
+  uint32_t mant = code & 7u;
+  if (exp == 15u && mant == 7u) return bits_float(0x7fc00000u | sign);
+  if (exp == 0u) {
+    float v = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9, exact
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+}
+
+// Round-half-even of v in [0, 2^23), independent of the FP environment.
+LOWBIT_HD uint32_t round_half_even_u32(float v) {
+  uint32_t i = static_cast<uint32_t>(v);
+  float frac = v - static_cast<float>(i);
+  if (frac > 0.5f || (frac == 0.5f && (i & 1u))) ++i;
+  return i;
+}
+
+// Round to nearest E4M3 code, ties to even, saturating finite values and
+// infinities at +-448; NaN becomes 0x7f whatever its sign.
+LOWBIT_HD uint8_t float_to_e4m3(float x) {
+  if (is_nan(x)) return kE4M3NaN;
+  uint32_t u = float_bits(x);
+  uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7e);  // |x| >= 448
+  if (a < 0x3c800000u) {
+    // below 2^-6: subnormal codes k * 2^-9, k in 0..8 (8 is the smallest normal)
+    return static_cast<uint8_t>(sign | round_half_even_u32(bits_float(a) * 512.0f));
+  }
+  // normal: round the 23-bit mantissa to 3 bits (carry may bump the exponent),
+  // then rebias the exponent from 127 to 7.
+  a += 0x7ffffu + ((a >> 20) & 1u);
+  uint32_t code = (a >> 20) - (120u << 3);
+  if (code > 0x7eu) code = 0x7eu;
+  return static_cast<uint8_t>(sign | code);
+}
+
+// ---- quantization rule ------------------------------------------------------
+
+LOWBIT_HD float global_scale_from_amax(float amax) { return amax / kGlobalDivisor; }
+
+// Block scale code for a block whose largest |x| is block_amax. clamp keeps a
+// NaN ratio (comparisons with NaN are false), which encodes as 0x7f.
+LOWBIT_HD uint8_t encode_block_scale(float block_amax, float global_scale) {
+  float r = global_scale == 0.f ? 0.f : block_amax / kE2M1Max / global_scale;
+  r = r < kE4M3MinNormal ? kE4M3MinNormal : r;
+  r = r > kE4M3Max ? kE4M3Max : r;
+  return float_to_e4m3(r);
+}
+
+// E2M1 code of x given denom = global_scale * float(block scale).
+LOWBIT_HD uint8_t encode_element(float x, float denom) {
+  if (x == 0.f) return (float_bits(x) >> 31) ? 8 : 0;
+  float q = x / denom;
+  q = q < -kE2M1Max ? -kE2M1Max : q;
+  q = q > kE2M1Max ? kE2M1Max : q;
+  return float_to_e2m1(q);
+}
+
+// Dequantized element: (e2m1 * block scale) is exact in float32, then one
+// rounding when multiplied by the global scale.
+LOWBIT_HD float decode_element(uint32_t code, float block_scale, float global_scale) {
+  return e2m1_to_float(code) * block_scale * global_scale;
+}
+
+}  // namespace lowbit::nvfp4

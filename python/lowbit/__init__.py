@@ -1,0 +1,17 @@
+"""lowbit: low-precision (NVFP4, FP8) transformer kernels as PyTorch operators."""
+
+from ._library import build_info, has_cuda_kernels, load as _load
+
+_load()
+
+from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Nvfp4Tensor",
+    "build_info",
+    "has_cuda_kernels",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
+]
