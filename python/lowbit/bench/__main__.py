@@ -1,0 +1,50 @@
+"""python -m lowbit.bench <suite> [--json PATH] [--quick]
+
+Each suite is a module lowbit.bench.<suite> with
+``run(hw: Hardware, quick: bool) -> (rows, columns)``; the table is printed
+and the rows, with the measured hardware, written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import torch
+
+import lowbit.bench as bench_pkg
+from lowbit.bench.harness import format_table, measure_hardware, write_json
+
+_NOT_SUITES = {"harness"}
+
+
+def available_suites() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name not in _NOT_SUITES | {"__main__"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lowbit.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("suite", choices=available_suites())
+    parser.add_argument("--json", help="write rows and measured hardware to this file")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, for smoke runs")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lowbit.bench: benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    hw = measure_hardware()
+    print(
+        f"# {hw.name}: {hw.sms} SMs, L2 {hw.l2_bytes / 2**20:.0f} MiB, measured HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, "
+        f"BF16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, FP8 {hw.fp8_flops / 1e12:.0f} TFLOP/s"
+    )
+    suite = importlib.import_module(f"lowbit.bench.{args.suite}")
+    rows, columns = suite.run(hw, args.quick)
+    print(format_table(rows, columns))
+    if args.json:
+        write_json(args.json, args.suite, hw, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Benchmark harness shared by every suite.
+
+Timing: CUDA events around CUDA-graph replays (as a serving engine runs
+kernels), the median over many replays. Each graph holds one call per input
+set and the sets rotate through more memory than the L2 cache holds, so every
+call starts with a cold L2.
+
+Floors: peak HBM bandwidth (a large device-to-device copy, bytes read +
+written) and dense BF16 / FP8 matmul throughput (8192^3 on random data) are
+measured in the same run, so every row can be compared with what the card
+does, not with a datasheet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+@dataclass
+class Hardware:
+    name: str
+    sms: int
+    l2_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    fp8_flops: float
+
+    def floor_s(self, bytes_moved: float = 0.0, flops: float = 0.0, fp8: bool = False) -> float:
+        """Lower bound on time: the larger of bytes / bandwidth and flops / peak."""
+        peak = self.fp8_flops if fp8 else self.bf16_flops
+        return max(bytes_moved / self.hbm_bytes_per_s, flops / peak)
+
+
+def rotation_count(bytes_per_set: int, l2_bytes: int, minimum: int = 2, maximum: int = 64) -> int:
+    """How many input sets make one pass over them at least 3x the L2 size."""
+    if bytes_per_set <= 0:
+        return minimum
+    return max(minimum, min(maximum, math.ceil(3 * l2_bytes / bytes_per_set)))
+
+
+def time_calls(
+    call: Callable[[int], Any], n_sets: int, use_graph: bool = True, replays: int = 30, warmup: int = 3
+) -> float:
+    """Median seconds per call of ``call(i)`` for i in range(n_sets).
+
+    With ``use_graph`` the n_sets calls are captured once into a CUDA graph
+    and the graph is replayed; otherwise the calls are launched eagerly.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            for i in range(n_sets):
+                call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+    if use_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(n_sets):
+                call(i)
+        graph.replay()
+
+        def run() -> None:
+            graph.replay()
+    else:
+
+        def run() -> None:
+            for i in range(n_sets):
+                call(i)
+
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / n_sets)
+    return statistics.median(times)
+
+
+def measure_hardware(device: torch.device | None = None) -> Hardware:
+    """Measures the copy bandwidth and matmul peaks of the current GPU."""
+    device = device or torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+
+    n = 1 << 28  # 1 GiB of bytes per buffer, far beyond L2
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_s = time_calls(lambda i: dst.copy_(src), 1, use_graph=False, replays=20)
+    hbm = 2 * n / copy_s
+    del src, dst
+
+    size = 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    mm_s = time_calls(lambda i: torch.mm(a, b), 1, use_graph=False, replays=10)
+    bf16 = 2 * size**3 / mm_s
+
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    mm8_s = time_calls(
+        lambda i: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        1,
+        use_graph=False,
+        replays=10,
+    )
+    fp8 = 2 * size**3 / mm8_s
+    return Hardware(props.name, props.multi_processor_count, l2, hbm, bf16, fp8)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str, suite: str, hardware: Hardware, rows: list[dict]) -> None:
+    payload = {
+        "suite": suite,
+        "hardware": asdict(hardware),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Developer entry point.
+#   bash run.sh setup         create .venv with the pinned requirements
+#   bash run.sh build         configure + build into build/ (incremental)
+#   bash run.sh test [args]   build, then C++ tests (ctest) and pytest [args]
+#   bash run.sh demo [args]   build, then python -m lowbit.demo [args]
+#   bash run.sh bench SUITE   build, then python -m lowbit.bench SUITE ...
+# Set PYTHON=/path/to/python to use an existing environment that already has
+# torch (and pytest) instead of .venv; nothing is installed then.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+JOBS=${JOBS:-$(nproc)}
+
+setup() {
+  if [[ -n "${PYTHON:-}" ]]; then return; fi
+  local stamp=.venv/.requirements-dev.txt
+  if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+  fi
+  if ! cmp -s requirements-dev.txt "$stamp"; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -r requirements-dev.txt
+    cp requirements-dev.txt "$stamp"
+  fi
+  PYTHON=$ROOT/.venv/bin/python
+  export PATH=$ROOT/.venv/bin:$PATH
+}
+
+build() {
+  setup
+  local generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  if [[ ! -f build/CMakeCache.txt ]] || ! grep -q "Python3_EXECUTABLE:FILEPATH=$PYTHON$" build/CMakeCache.txt; then
+    rm -rf build
+    cmake -S . -B build "${generator[@]}" -DPython3_EXECUTABLE="$PYTHON" ${CMAKE_ARGS:-}
+  fi
+  cmake --build build -j "$JOBS"
+}
+
+run_python() {
+  PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$@"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  build) build ;;
+  test)
+    build
+    if [[ -x build/lowbit_core_tests ]]; then
+      ctest --test-dir build --output-on-failure -j "$JOBS"
+    else
+      echo "run.sh: GoogleTest not found at configure time; C++ core tests not built" >&2
+    fi
+    run_python -m pytest "$@"
+    ;;
+  demo) build; run_python -m lowbit.demo "$@" ;;
+  bench) build; run_python -m lowbit.bench "$@" ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
+esac
