@@ -26,11 +26,16 @@
 //     never turns into finite output.
 //   * an all-zero tensor gives s = 0; the block ratio is then defined as 0
 //     (scale 2^-6) and every element encodes as +-0, dequantizing to zeros.
-//   * x / (s * b) that is NaN encodes as +0 (its block scale is NaN anyway);
-//     +-inf saturates to +-6 (only possible with a caller-given scale).
+//   * every element code carries the sign of x; a quotient x / (s * b) that
+//     is NaN (its block scale is NaN too, or 0/0 for an all-zero tensor) has
+//     magnitude 0; +-inf saturates to +-6 (only with a caller-given scale).
 #pragma once
 
 #include "lowbit/common.h"
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
 
 namespace lowbit::nvfp4 {
 
@@ -43,6 +48,15 @@ constexpr uint8_t kE4M3NaN = 0x7f;
 
 // ---- E2M1 -------------------------------------------------------------------
 
+// Round-half-even of v in [0, 2^23), independent of the FP environment.
+LOWBIT_HD uint32_t round_half_even_u32(float v) {
+  uint32_t i = static_cast<uint32_t>(v);
+  float frac = v - static_cast<float>(i);
+  if (frac > 0.5f || (frac == 0.5f && (i & 1u))) ++i;
+  return i;
+}
+
+
 // Decodes the low 4 bits of `code`. The magnitude bits are an exponent (2 bits,
 // bias 1) and one mantissa bit; exponent 0 is the subnormal 0 / 0.5.
 LOWBIT_HD float e2m1_to_float(uint32_t code) {
@@ -53,23 +67,28 @@ LOWBIT_HD float e2m1_to_float(uint32_t code) {
   return bits_float(sign | mag);
 }
 
-// Round to nearest E2M1 code, ties to even code, saturating at 6.
-// Decision points are the midpoints 0.25 .75 1.25 1.75 2.5 3.5 5; at a tie
-// the even code wins (0, 1, 2, 4 and the codes of 0, 1.0, 2.0, 4.0).
+// Magnitude code (0..7) of |q| for |q| <= 6, rounded to nearest with ties to
+// the even code. The E2M1 grid has step 0.5 below 2, 1 below 4 and 2 up to 6,
+// so scaling |q| by 2, 1 or 1/2 (exact) turns each segment into integers whose
+// round-half-even is the code minus an offset: ties to the even integer are
+// ties to the even code (midpoints .25 .75 1.25 1.75 2.5 3.5 5 -> 0 2 2 4 4 6 6).
+LOWBIT_HD uint32_t e2m1_magnitude_code(float a) {
+  const float scale = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f);
+  const uint32_t offset = a < 2.f ? 0u : (a < 4.f ? 2u : 4u);
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint32_t>(__float2int_rn(a * scale)) + offset;
+#else
+  return round_half_even_u32(a * scale) + offset;
+#endif
+}
+
+// E2M1 code of x: sign of x, magnitude rounded to nearest (ties to even),
+// saturating at 6; NaN has magnitude 0 (its sign bit is kept like any other).
 LOWBIT_HD uint8_t float_to_e2m1(float x) {
-  if (is_nan(x)) return 0;
-  uint8_t sign = (float_bits(x) >> 31) ? 8 : 0;
+  const uint32_t sign = (float_bits(x) >> 28) & 8u;
   float a = x < 0.f ? -x : x;
-  uint8_t m;
-  if (a <= 0.25f) m = 0;
-  else if (a < 0.75f) m = 1;
-  else if (a <= 1.25f) m = 2;
-  else if (a < 1.75f) m = 3;
-  else if (a <= 2.5f) m = 4;
-  else if (a < 3.5f) m = 5;
-  else if (a <= 5.0f) m = 6;
-  else m = 7;
-  return static_cast<uint8_t>(sign | m);
+  a = a > kE2M1Max ? kE2M1Max : a;
+  return static_cast<uint8_t>(sign | (is_nan(a) ? 0u : e2m1_magnitude_code(a)));
 }
 
 // ---- E4M3 (fn) --------------------------------------------------------------
@@ -84,14 +103,6 @@ LOWBIT_HD float e4m3_to_float(uint32_t code) {
     return sign ? -v : v;
   }
   return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
-}
-
-// Round-half-even of v in [0, 2^23), independent of the FP environment.
-LOWBIT_HD uint32_t round_half_even_u32(float v) {
-  uint32_t i = static_cast<uint32_t>(v);
-  float frac = v - static_cast<float>(i);
-  if (frac > 0.5f || (frac == 0.5f && (i & 1u))) ++i;
-  return i;
 }
 
 // Round to nearest E4M3 code, ties to even, saturating finite values and
@@ -127,13 +138,47 @@ LOWBIT_HD uint8_t encode_block_scale(float block_amax, float global_scale) {
   return float_to_e4m3(r);
 }
 
-// E2M1 code of x given denom = global_scale * float(block scale).
-LOWBIT_HD uint8_t encode_element(float x, float denom) {
-  if (x == 0.f) return (float_bits(x) >> 31) ? 8 : 0;
-  float q = x / denom;
-  q = q < -kE2M1Max ? -kE2M1Max : q;
-  q = q > kE2M1Max ? kE2M1Max : q;
-  return float_to_e2m1(q);
+// x / d rounded to nearest, given r = 1/d rounded to nearest: one multiply
+// and one Markstein correction step instead of a full IEEE division (the
+// quantizer's hot loop). For 2^-100 <= d <= 2^100 and |x / d| >= 1/8 the
+// remainder x - q0 * d is exactly representable, so by Markstein's theorem the
+// result is x / d correctly rounded (tests/cpp checks it against true
+// division). Below 1/8 the result may be off by ulps, harmless: the first
+// E2M1 threshold is 1/4. An overflowing first estimate is kept as is.
+LOWBIT_HD float div_with_reciprocal(float x, float d, float r) {
+#if defined(__CUDA_ARCH__)
+  const float q0 = __fmul_rn(x, r);
+  const float rem = __fmaf_rn(-q0, d, x);
+  const float q1 = __fmaf_rn(rem, r, q0);
+#else
+  const float q0 = x * r;
+  const float rem = std::fma(-q0, d, x);
+  const float q1 = std::fma(rem, r, q0);
+#endif
+  return (float_bits(q0) & 0x7fffffffu) == 0x7f800000u ? q0 : q1;
+}
+
+// Whether div_with_reciprocal is exact for this divisor (else divide).
+LOWBIT_HD bool reciprocal_division_ok(float d) { return d >= 0x1p-100f && d <= 0x1p100f; }
+
+LOWBIT_HD float reciprocal_rn(float d) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(d);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// E2M1 code of x given the block's divisor d = global_scale * float(block
+// scale) and r = reciprocal_rn(d): e2m1(clamp(x / d, -6, 6)) with the sign of
+// x always kept, so zeros (also 0/0 when the scale is 0) and values that
+// round to zero keep their sign.
+LOWBIT_HD uint8_t encode_element(float x, float d, float r) {
+  const float q = reciprocal_division_ok(d) ? div_with_reciprocal(x, d, r) : x / d;
+  const uint32_t sign = (float_bits(x) >> 28) & 8u;
+  float a = q < 0.f ? -q : q;
+  a = a > kE2M1Max ? kE2M1Max : a;
+  return static_cast<uint8_t>(sign | (is_nan(a) ? 0u : e2m1_magnitude_code(a)));
 }
 
 // Dequantized element: (e2m1 * block scale) is exact in float32, then one

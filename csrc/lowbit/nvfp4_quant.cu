@@ -1,9 +1,11 @@
 // CUDA kernels for NVFP4 quantize / dequantize.
 //
 // Quantize is memory bound. With a caller-given global scale it is one pass:
-// each thread reads 8 elements (16 B of bf16), a pair of threads forms one
-// 16-element block and exchanges its half-amax with a shuffle, each thread
-// writes 4 bytes of codes (coalesced) and the even thread the scale byte.
+// each 8-element group (16 B of bf16) belongs to one thread, a pair of
+// threads forms one 16-element block and exchanges its half-amax with a
+// shuffle, each thread writes 4 bytes of codes (coalesced) and the even
+// thread the scale byte. The per-element math avoids IEEE division (one
+// reciprocal per block plus a correction step, see nvfp4_format.h).
 // Without one, a first pass reduces amax per group (atomicMax on the float
 // bits: |x| >= 0, so unsigned order is float order and NaN bits sort above
 // inf, which gives the NaN-propagating max of the rule for free).
@@ -15,7 +17,8 @@ namespace lowbit::nvfp4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kGroupElems = 8;  // elements per thread
+constexpr int kGroupElems = 8;  // elements per thread and group
+constexpr int kUnroll = 2;      // groups per thread in the quantize kernel
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ input, int64_t group_elems,
@@ -45,36 +48,56 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ in
   }
 }
 
+// Encodes one 8-element group whose pair partner (lane ^ 1) holds the other
+// half of its 16-element block. Every lane of the warp must call it.
+template <typename T>
+__device__ __forceinline__ void quantize_group(const float (&x)[8], int64_t t, bool active, int64_t group_elems,
+                                               const float* __restrict__ global_in, const float* __restrict__ amax,
+                                               uint32_t* __restrict__ packed, uint8_t* __restrict__ block_scale,
+                                               float* __restrict__ global_out) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m = nan_propagating_absmax(m, x[j]);
+  const float block_amax = nan_propagating_absmax(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  if (!active) return;
+  const int64_t first = t * kGroupElems;
+  const int64_t g = first / group_elems;
+  const float s = global_in ? global_in[g] : global_scale_from_amax(amax[g]);
+  const uint8_t scale = encode_block_scale(block_amax, s);
+  const float d = s * e4m3_to_float(scale);
+  const float r = reciprocal_rn(d);
+  uint32_t codes = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) codes |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
+  packed[t] = codes;
+  if ((t & 1) == 0) block_scale[t >> 1] = scale;
+  if (first % group_elems == 0) global_out[g] = s;
+}
+
+// Each thread encodes kUnroll groups spaced a grid apart, loading all of them
+// before any math so that several 16-byte loads are in flight per thread.
+// The grid is sized so that the spacing (and total_groups8) is even: a block
+// pair never straddles two threads' strides, and pair partners are always
+// both in range or both out of range, keeping the shuffle uniform.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const T* __restrict__ input, int64_t total_groups8, int64_t group_elems,
                     const float* __restrict__ global_in, const float* __restrict__ amax,
                     uint32_t* __restrict__ packed, uint8_t* __restrict__ block_scale,
                     float* __restrict__ global_out) {
-  const int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  // total_groups8 is even and kThreads is even, so both threads of a block
-  // pair are either in range or out of range: the shuffle below is uniform.
-  const bool active = t < total_groups8;
-  const int64_t first = (active ? t : 0) * kGroupElems;
-  float x[8];
-  cuda::load8(input + first, x);
-  float m = 0.f;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  const int64_t t0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  float x[kUnroll][8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) m = nan_propagating_absmax(m, x[j]);
-  const float other = __shfl_xor_sync(0xffffffffu, m, 1);
-  const float block_amax = nan_propagating_absmax(m, other);
-  if (!active) return;
-
-  const int64_t g = first / group_elems;
-  const float s = global_in ? global_in[g] : global_scale_from_amax(amax[g]);
-  const uint8_t scale = encode_block_scale(block_amax, s);
-  const float denom = s * e4m3_to_float(scale);
-  uint32_t codes = 0;
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t t = t0 + u * stride;
+    cuda::load8(input + (t < total_groups8 ? t : 0) * kGroupElems, x[u]);
+  }
 #pragma unroll
-  for (int j = 0; j < 8; ++j) codes |= uint32_t(encode_element(x[j], denom)) << (4 * j);
-  packed[t] = codes;
-  if ((t & 1) == 0) block_scale[t >> 1] = scale;
-  if (first % group_elems == 0) global_out[g] = s;
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t t = t0 + u * stride;
+    quantize_group<T>(x[u], t, t < total_groups8, group_elems, global_in, amax, packed, block_scale, global_out);
+  }
 }
 
 template <typename T>
@@ -115,7 +138,7 @@ cudaError_t quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
     amax_kernel<T><<<grid, kThreads, 0, stream>>>(in, group_elems, a.amax_workspace);
   }
   const int64_t groups8 = total / kGroupElems;
-  quantize_kernel<T><<<cuda::ceil_div(groups8, kThreads), kThreads, 0, stream>>>(
+  quantize_kernel<T><<<cuda::ceil_div(groups8, kThreads * kUnroll), kThreads, 0, stream>>>(
       in, groups8, group_elems, a.global_scale_in, a.amax_workspace, reinterpret_cast<uint32_t*>(a.packed),
       a.block_scale, a.global_scale_out);
   return cudaGetLastError();

@@ -51,10 +51,11 @@ void quantize_cpu(const QuantizeArgs& a) {
         }
         const uint8_t scale = encode_block_scale(block_amax, s);
         a.block_scale[first / kBlockSize] = scale;
-        const float denom = s * e4m3_to_float(scale);
+        const float d = s * e4m3_to_float(scale);
+        const float r = reciprocal_rn(d);
         for (int j = 0; j < kBlockSize; j += 2) {
-          a.packed[(first + j) / 2] = static_cast<uint8_t>(encode_element(x[j], denom) |
-                                                           (encode_element(x[j + 1], denom) << 4));
+          a.packed[(first + j) / 2] =
+              static_cast<uint8_t>(encode_element(x[j], d, r) | (encode_element(x[j + 1], d, r) << 4));
         }
       }
     }

@@ -150,11 +150,12 @@ TEST(QuantizeRule, BlockScaleAndElementsOfAKnownBlock) {
   // block amax 6 with s = 1/448: ratio 6/6*448 = 448 -> scale 0x7e
   const float s = 1.0f / 448.0f;
   EXPECT_EQ(encode_block_scale(6.0f, s), 0x7e);
-  const float denom = s * e4m3_to_float(0x7e);  // == 1 up to rounding
-  EXPECT_EQ(encode_element(6.0f, denom), 7);
-  EXPECT_EQ(encode_element(-3.0f, denom), 13);
-  EXPECT_EQ(encode_element(-0.0f, denom), 8);
-  EXPECT_EQ(encode_element(0.0f, denom), 0);
+  const float d = s * e4m3_to_float(0x7e);  // == 1 up to rounding
+  const float r = reciprocal_rn(d);
+  EXPECT_EQ(encode_element(6.0f, d, r), 7);
+  EXPECT_EQ(encode_element(-3.0f, d, r), 13);
+  EXPECT_EQ(encode_element(-0.0f, d, r), 8);
+  EXPECT_EQ(encode_element(0.0f, d, r), 0);
 }
 
 TEST(QuantizeRule, DegenerateAndNonFiniteScales) {
@@ -163,10 +164,36 @@ TEST(QuantizeRule, DegenerateAndNonFiniteScales) {
   EXPECT_EQ(encode_block_scale(1e20f, 1.0f), 0x7e);                           // clamps down to 448
   EXPECT_EQ(encode_block_scale(std::nanf(""), 1.0f), kE4M3NaN);               // NaN block
   EXPECT_EQ(encode_block_scale(1.0f, INFINITY), float_to_e4m3(kE4M3MinNormal));
-  EXPECT_EQ(encode_element(INFINITY, 1.0f), 7);                               // saturates
-  EXPECT_EQ(encode_element(std::nanf(""), 1.0f), 0);
-  EXPECT_EQ(encode_element(-1.0f, INFINITY), 8);                              // -0
+  EXPECT_EQ(encode_element(INFINITY, 1.0f, 1.0f), 7);                         // saturates
+  EXPECT_EQ(encode_element(std::nanf(""), 1.0f, 1.0f), 0);
+  EXPECT_EQ(encode_element(-std::nanf(""), 1.0f, 1.0f), 8);                   // NaN: magnitude 0, sign kept
+  EXPECT_EQ(encode_element(-1.0f, INFINITY, 0.0f), 8);                        // -0
+  EXPECT_EQ(encode_element(-0.0f, 0.0f, INFINITY), 8);                        // 0/0 keeps the sign of x
+  EXPECT_EQ(encode_element(2.0f, 0.0f, INFINITY), 7);                         // x/0 saturates
   EXPECT_TRUE(std::isnan(nan_propagating_absmax(nan_propagating_absmax(0.f, std::nanf("")), 5.f)));
+}
+
+TEST(QuantizeRule, ReciprocalDivisionIsCorrectlyRounded) {
+  // Quotients spread over and around the E2M1 range, with divisors drawn
+  // like real scales (global * e4m3), plus quotients placed on and next to
+  // every rounding midpoint.
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> log_d(-108.f, 108.f), log_q(-30.f, 4.f), unit(0.f, 1.f);
+  const float mids[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+  for (int i = 0; i < 2000000; ++i) {
+    const float d = std::exp2(log_d(rng)) * e4m3_to_float(8 + static_cast<int>(unit(rng) * 118));
+    if (!reciprocal_division_ok(d)) continue;
+    float x = std::exp2(log_q(rng)) * d;
+    if (i % 4 == 0) x = mids[i % 8] * d;
+    if (i % 4 == 1) x = std::nextafter(mids[i % 8] * d, (i & 8) ? INFINITY : 0.f);
+    if (unit(rng) < 0.5f) x = -x;
+    const float fast = div_with_reciprocal(x, d, reciprocal_rn(d)), exact = x / d;
+    if (std::fabs(exact) >= 0.125f) {
+      ASSERT_EQ(float_bits(fast), float_bits(exact)) << x << " / " << d;
+    } else {
+      ASSERT_EQ(float_to_e2m1(fast), float_to_e2m1(exact)) << x << " / " << d;  // both below the first threshold
+    }
+  }
 }
 
 namespace {

@@ -13,15 +13,14 @@ E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=t
 E4M3_NAN_CODE = 0x7F
 
 
-def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
-    """float32 (already clamped to [-6, 6]) -> uint8 codes; NaN -> 0."""
+def e2m1_magnitude(q: torch.Tensor) -> torch.Tensor:
+    """|q| (float32, clamped to 6) -> magnitude code 0..7; NaN -> 0."""
     mags = E2M1_MAGNITUDES.to(q.device)
     dist = (q.double().abs().unsqueeze(-1) - mags).abs()
     is_min = dist == dist.min(dim=-1, keepdim=True).values
     even = (torch.arange(8, device=q.device) % 2 == 0).to(torch.int64)
-    index = (is_min.to(torch.int64) * (1 + even)).argmax(dim=-1)
-    code = index.to(torch.uint8) | (torch.signbit(q).to(torch.uint8) << 3)
-    return torch.where(torch.isnan(q), torch.zeros_like(code), code)
+    index = (is_min.to(torch.int64) * (1 + even)).argmax(dim=-1).to(torch.uint8)
+    return torch.where(torch.isnan(q), torch.zeros_like(index), index)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
@@ -49,10 +48,9 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor | None = None):
     ratio = torch.where(s == 0, torch.zeros_like(block_amax), block_amax / 6.0 / s)
     scale_code = e4m3_encode(ratio.clamp(2.0**-6, 448.0))
     denom = (s * scale_code.view(torch.float8_e4m3fn).float()).unsqueeze(-1)
-    q = (blocks / denom).clamp(-6.0, 6.0)
-    codes = e2m1_encode(q)
-    zero = blocks == 0
-    codes = torch.where(zero, torch.signbit(blocks).to(torch.uint8) << 3, codes).flatten(-2)
+    magnitude = e2m1_magnitude((blocks / denom).clamp(-6.0, 6.0))
+    # every code carries the sign of its input element (zeros and NaN too)
+    codes = (magnitude | (torch.signbit(blocks).to(torch.uint8) << 3)).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, scale_code, global_scale.float().reshape(global_scale.shape)
 
