@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
+BUILD_DIR=${BUILD_DIR:-build}
 
 setup() {
   if [[ -n "${PYTHON:-}" ]]; then return; fi
@@ -31,11 +32,12 @@ build() {
   setup
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
-  if [[ ! -f build/CMakeCache.txt ]] || ! grep -q "Python3_EXECUTABLE:FILEPATH=$PYTHON$" build/CMakeCache.txt; then
-    rm -rf build
-    cmake -S . -B build "${generator[@]}" -DPython3_EXECUTABLE="$PYTHON" ${CMAKE_ARGS:-}
+  if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] || ! grep -q "Python3_EXECUTABLE:FILEPATH=$PYTHON$" "$BUILD_DIR/CMakeCache.txt"; then
+    rm -rf "$BUILD_DIR"
+    # shellcheck disable=SC2086
+    cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DPython3_EXECUTABLE="$PYTHON" ${CMAKE_ARGS:-}
   fi
-  cmake --build build -j "$JOBS"
+  cmake --build "$BUILD_DIR" -j "$JOBS"
 }
 
 run_python() {
@@ -49,8 +51,8 @@ case "$cmd" in
   build) build ;;
   test)
     build
-    if [[ -x build/lowbit_core_tests ]]; then
-      ctest --test-dir build --output-on-failure -j "$JOBS"
+    if [[ -x $BUILD_DIR/lowbit_core_tests ]]; then
+      ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
     else
       echo "run.sh: GoogleTest not found at configure time; C++ core tests not built" >&2
     fi

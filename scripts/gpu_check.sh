@@ -17,6 +17,10 @@ export PYTHONUNBUFFERED=1
 SUITES=${SUITES-quant linear router moe}
 TESTS=${TESTS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
+# Build with the system compiler, whose libstdc++ is the one loaded at run
+# time (see docs/ARCHITECTURE.md, "Toolchain"); LOWBIT_CXX overrides it.
+export CXX=${LOWBIT_CXX:-$(command -v g++)}
+export CUDAHOSTCXX=$CXX
 if [[ -d .deps/gtest ]]; then export CMAKE_ARGS="${CMAKE_ARGS:-} -DGTEST_ROOT=$PWD/.deps/gtest"; fi
 
 summary=()

@@ -18,6 +18,15 @@ c10::SymDimVector with_last_dim(c10::SymIntArrayRef sizes, const c10::SymInt& la
   return out;
 }
 
+// Stacked groups map to grid.y of the CUDA kernels.
+constexpr int64_t kMaxGroups = 65535;
+
+void check_group_count(const at::Tensor& t, const char* op, const char* arg) {
+  if (t.dim() == 3)
+    TORCH_CHECK_VALUE(t.sym_size(0) <= kMaxGroups, "lowbit.", op, ": argument '", arg, "' may stack at most ",
+                      kMaxGroups, " experts, got shape ", t.sym_sizes());
+}
+
 // Expected global-scale shape: [] for a 2-D tensor, [E] for stacked experts.
 c10::SymDimVector global_shape(const at::Tensor& t) {
   if (t.dim() == 3) return c10::SymDimVector{t.sym_size(0)};
@@ -31,6 +40,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>> prepare_quantize(const at::Ten
   check_dtype(input, kQuantize, "input", {at::kBFloat16, at::kHalf, at::kFloat});
   check_dims(input, kQuantize, "input", {2, 3});
   check_last_dim_multiple(input, nvfp4::kBlockSize, kQuantize, "input");
+  check_group_count(input, kQuantize, "input");
   c10::optional<at::Tensor> gs;
   if (global_scale.has_value()) {
     check_dtype(*global_scale, kQuantize, "global_scale", {at::kFloat});
@@ -73,6 +83,7 @@ void check_dequantize(const at::Tensor& packed, const at::Tensor& block_scale, c
                       at::ScalarType out_dtype) {
   check_dtype(packed, kDequantize, "packed", {at::kByte});
   check_dims(packed, kDequantize, "packed", {2, 3});
+  check_group_count(packed, kDequantize, "packed");
   check_dtype(block_scale, kDequantize, "block_scale", {at::kFloat8_e4m3fn, at::kByte});
   check_dtype(global_scale, kDequantize, "global_scale", {at::kFloat});
   check_same_device(block_scale, packed, kDequantize, "block_scale", "packed");
