@@ -176,9 +176,20 @@ LOWBIT_HD float reciprocal_rn(float d) {
 LOWBIT_HD uint8_t encode_element(float x, float d, float r) {
   const float q = reciprocal_division_ok(d) ? div_with_reciprocal(x, d, r) : x / d;
   const uint32_t sign = (float_bits(x) >> 28) & 8u;
-  float a = q < 0.f ? -q : q;
-  a = a > kE2M1Max ? kE2M1Max : a;
-  return static_cast<uint8_t>(sign | (is_nan(a) ? 0u : e2m1_magnitude_code(a)));
+#if defined(__CUDA_ARCH__)
+  // Branch-free: with ordered compares a NaN falls in the first segment and
+  // cvt.rni turns NaN into 0; +inf converts to INT_MAX, so an unsigned min
+  // with 7 saturates every |q| >= 6 (and inf) at the top code.
+  const float a = fabsf(q);
+  const float scale = a >= 4.f ? 0.5f : (a >= 2.f ? 1.f : 2.f);
+  const uint32_t offset = a >= 4.f ? 4u : (a >= 2.f ? 2u : 0u);
+  const uint32_t code = min(static_cast<uint32_t>(__float2int_rn(a * scale)) + offset, 7u);
+  return static_cast<uint8_t>(sign | code);
+#else
+  float a = std::fabs(q);
+  a = is_nan(a) ? 0.f : (a > kE2M1Max ? kE2M1Max : a);
+  return static_cast<uint8_t>(sign | e2m1_magnitude_code(a));
+#endif
 }
 
 // Dequantized element: (e2m1 * block scale) is exact in float32, then one

@@ -6,10 +6,9 @@
 // whole per-element encode).
 //
 // Quantize is memory bound. With a caller-given global scale it is one pass:
-// each 8-element chunk (16 B of bf16) belongs to one thread, a pair of threads
-// forms one 16-element block and exchanges its half-amax with a shuffle, each
-// thread writes 4 bytes of codes (coalesced) and the even thread the scale
-// byte. Per element there is no IEEE division: one reciprocal per block plus a
+// one thread per 16-element block (two 16-byte loads of bf16), writing 8
+// bytes of codes and the scale byte (both contiguous across the warp). Per
+// element there is no IEEE division: one reciprocal per block plus a
 // correction step (nvfp4_format.h). Without a given scale, a first pass
 // reduces amax per group (atomicMax on the float bits: |x| >= 0, so unsigned
 // order is float order and NaN bits sort above inf, which is the
@@ -23,7 +22,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kChunk = 8;   // elements per thread and chunk
-constexpr int kUnroll = 2;  // chunks per thread, loaded before any math
+constexpr int kUnroll = 2;  // quantize: blocks per thread, loaded before any math
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ input, int64_t group_chunks,
@@ -59,55 +58,66 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ in
   }
 }
 
-// Codes of one chunk given its block's divisor d and r = 1/d.
-__device__ __forceinline__ uint32_t encode_chunk(const float (&x)[8], float d, float r) {
-  uint32_t codes = 0;
+// Codes of one 16-element block (8 bytes, element 2j in the low nibble of
+// byte j) given its divisor d and r = 1/d.
+__device__ __forceinline__ uint2 encode_block(const float (&x)[kBlockSize], float d, float r) {
+  uint32_t lo = 0, hi = 0;
   if (reciprocal_division_ok(d)) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) codes |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
+    for (int j = 0; j < 8; ++j) {
+      lo |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
+      hi |= uint32_t(encode_element(x[j + 8], d, r)) << (4 * j);
+    }
   } else {
     // degenerate scales (0, inf, NaN, extreme): encode_element divides
 #pragma unroll
-    for (int j = 0; j < 8; ++j) codes |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
+    for (int j = 0; j < 8; ++j) {
+      lo |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
+      hi |= uint32_t(encode_element(x[j + 8], d, r)) << (4 * j);
+    }
   }
-  return codes;
+  return make_uint2(lo, hi);
 }
 
-// Each thread encodes kUnroll chunks spaced a grid apart, all loaded before
-// any math so that several 16-byte loads are in flight per thread. The
-// spacing (kThreads * gridDim.x) and the chunk count of a group are even, so
-// a block's two chunks belong to lanes 2i and 2i+1 of one warp, which are
-// both in range or both out of range: the shuffle is always uniform.
+// One thread per 16-element block, so the per-block work (amax, scale code,
+// reciprocal) is done once. Each thread encodes kUnroll blocks spaced a grid
+// apart, all four 16-byte loads issued before any math.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const T* __restrict__ input, int64_t group_chunks, const float* __restrict__ global_in,
-                    const float* __restrict__ amax, uint32_t* __restrict__ packed,
-                    uint8_t* __restrict__ block_scale, float* __restrict__ global_out) {
+    quantize_kernel(const T* __restrict__ input, int64_t group_blocks, const float* __restrict__ global_in,
+                    const float* __restrict__ amax, uint2* __restrict__ packed, uint8_t* __restrict__ block_scale,
+                    float* __restrict__ global_out) {
   const int g = blockIdx.y;
-  const int64_t base = g * group_chunks;  // first chunk of this group
+  const int64_t base = g * group_blocks;  // first block of this group
   const int64_t stride = int64_t(gridDim.x) * kThreads;
-  const int64_t c0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  float x[kUnroll][8];
+  const int64_t b0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  float x[kUnroll][kBlockSize];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t c = c0 + u * stride;
-    cuda::load8(input + (base + (c < group_chunks ? c : 0)) * kChunk, x[u]);
+    const int64_t b = b0 + u * stride;
+    const T* p = input + (base + (b < group_blocks ? b : 0)) * kBlockSize;
+    float lo[8], hi[8];
+    cuda::load8(p, lo);
+    cuda::load8(p + 8, hi);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[u][j] = lo[j];
+      x[u][j + 8] = hi[j];
+    }
   }
   const float s = global_in ? global_in[g] : global_scale_from_amax(amax[g]);
-  if (c0 == 0) global_out[g] = s;
+  if (b0 == 0) global_out[g] = s;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t c = c0 + u * stride;
+    const int64_t b = b0 + u * stride;
+    if (b >= group_blocks) break;
     float m = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) m = nan_propagating_absmax(m, x[u][j]);
-    const float block_amax = nan_propagating_absmax(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    if (c < group_chunks) {
-      const uint8_t scale = encode_block_scale(block_amax, s);
-      const float d = s * e4m3_to_float(scale);
-      packed[base + c] = encode_chunk(x[u], d, reciprocal_rn(d));
-      if ((c & 1) == 0) block_scale[(base + c) >> 1] = scale;
-    }
+    for (int j = 0; j < kBlockSize; ++j) m = nan_propagating_absmax(m, x[u][j]);
+    const uint8_t scale = encode_block_scale(m, s);
+    const float d = s * e4m3_to_float(scale);
+    packed[base + b] = encode_block(x[u], d, reciprocal_rn(d));
+    block_scale[base + b] = scale;
   }
 }
 
@@ -147,9 +157,10 @@ cudaError_t quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
     dim3 grid(static_cast<unsigned>(needed < target ? needed : target), static_cast<unsigned>(a.groups));
     amax_kernel<T><<<grid, kThreads, 0, stream>>>(in, group_chunks, a.amax_workspace);
   }
-  dim3 grid(static_cast<unsigned>(cuda::ceil_div(group_chunks, kThreads * kUnroll)), static_cast<unsigned>(a.groups));
-  quantize_kernel<T><<<grid, kThreads, 0, stream>>>(in, group_chunks, a.global_scale_in, a.amax_workspace,
-                                                    reinterpret_cast<uint32_t*>(a.packed), a.block_scale,
+  const int64_t group_blocks = group_chunks / 2;
+  dim3 grid(static_cast<unsigned>(cuda::ceil_div(group_blocks, kThreads * kUnroll)), static_cast<unsigned>(a.groups));
+  quantize_kernel<T><<<grid, kThreads, 0, stream>>>(in, group_blocks, a.global_scale_in, a.amax_workspace,
+                                                    reinterpret_cast<uint2*>(a.packed), a.block_scale,
                                                     a.global_scale_out);
   return cudaGetLastError();
 }
