@@ -50,9 +50,15 @@ LOWBIT_HD bool is_nan(float x) { return x != x; }
 // max(|a|, b) that propagates NaN from either side: once a NaN is seen the
 // result stays NaN, so a block or tensor holding a NaN is never hidden.
 LOWBIT_HD float nan_propagating_absmax(float running, float x) {
+#if defined(__CUDA_ARCH__)
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(running), "f"(fabsf(x)));
+  return m;
+#else
   float a = x < 0.f ? -x : x;
   if (is_nan(a) || is_nan(running)) return bits_float(0x7fc00000u);
   return a > running ? a : running;
+#endif
 }
 
 }  // namespace lowbit

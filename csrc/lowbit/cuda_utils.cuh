@@ -34,6 +34,17 @@ __device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
 }
+// bf16 widens by a shift: one integer op per element.
+template <>
+__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&out)[8]) {
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(w[i] << 16);
+    out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
 template <>
 __device__ __forceinline__ void load8<float>(const float* p, float (&out)[8]) {
   float4 a = __ldg(reinterpret_cast<const float4*>(p));

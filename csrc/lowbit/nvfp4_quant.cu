@@ -58,18 +58,31 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ in
   }
 }
 
+// E2M1 code of q = RN(x / d) in the common case: x finite and |x| * r
+// finite, so q is finite and carries the sign of x (zeros and underflow
+// included). Matches encode_element bit for bit there, in ~16 instructions.
+__device__ __forceinline__ uint32_t encode_element_finite(float x, float d, float r) {
+  const float q0 = __fmul_rn(x, r);
+  const float q = __fmaf_rn(__fmaf_rn(-q0, d, x), r, q0);
+  const float a = fabsf(q);
+  const float scale = a >= 4.f ? 0.5f : (a >= 2.f ? 1.f : 2.f);
+  const uint32_t offset = a >= 4.f ? 4u : (a >= 2.f ? 2u : 0u);
+  const uint32_t code = min(static_cast<uint32_t>(__float2int_rn(a * scale)) + offset, 7u);
+  return code | ((__float_as_uint(q) >> 28) & 8u);
+}
+
 // Codes of one 16-element block (8 bytes, element 2j in the low nibble of
-// byte j) given its divisor d and r = 1/d.
-__device__ __forceinline__ uint2 encode_block(const float (&x)[kBlockSize], float d, float r) {
+// byte j) given its amax, divisor d and r = 1/d.
+__device__ __forceinline__ uint2 encode_block(const float (&x)[kBlockSize], float block_amax, float d, float r) {
   uint32_t lo = 0, hi = 0;
-  if (reciprocal_division_ok(d)) {
+  if (reciprocal_division_ok(d) && block_amax * r < 0x1p127f) {  // false for NaN/inf blocks
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      lo |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
-      hi |= uint32_t(encode_element(x[j + 8], d, r)) << (4 * j);
+      lo |= encode_element_finite(x[j], d, r) << (4 * j);
+      hi |= encode_element_finite(x[j + 8], d, r) << (4 * j);
     }
   } else {
-    // degenerate scales (0, inf, NaN, extreme): encode_element divides
+    // non-finite input or degenerate scales (0, inf, NaN, extreme)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       lo |= uint32_t(encode_element(x[j], d, r)) << (4 * j);
@@ -116,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kBlockSize; ++j) m = nan_propagating_absmax(m, x[u][j]);
     const uint8_t scale = encode_block_scale(m, s);
     const float d = s * e4m3_to_float(scale);
-    packed[base + b] = encode_block(x[u], d, reciprocal_rn(d));
+    packed[base + b] = encode_block(x[u], m, d, reciprocal_rn(d));
     block_scale[base + b] = scale;
   }
 }

@@ -254,6 +254,18 @@ def test_cuda_matches_cpu_bitwise(dtype, shape):
 
 
 @cuda
+def test_cuda_exact_ties_match_cpu():
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids, torch.tensor([-0.0])])
+    x = row.repeat(64, 8) * torch.rand(64, 1)  # several block scales per tie pattern
+    for gs in (None, torch.tensor(1.0 / 448.0)):
+        got = lowbit.nvfp4_quantize(x.cuda(), None if gs is None else gs.cuda())
+        want = lowbit.nvfp4_quantize(x, gs)
+        for a, b in zip(got, want):
+            assert_bitwise_equal(a.cpu(), b)
+
+
+@cuda
 def test_cuda_edge_cases_and_given_scale_match_cpu():
     x = torch.randn(6, 4, 96)
     x[0, 0, :16] = 0.0
