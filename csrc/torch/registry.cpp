@@ -32,4 +32,13 @@ TORCH_LIBRARY(lowbit, m) {
   // passed as uint8 holding the same E4M3 codes.
   m.def("nvfp4_quantize(Tensor input, Tensor? global_scale=None) -> (Tensor, Tensor, Tensor)");
   m.def("nvfp4_dequantize(Tensor packed, Tensor block_scale, Tensor global_scale, ScalarType? out_dtype=None) -> Tensor");
+
+  // NVFP4 Linear, W4A16 (nvfp4_linear_ops.cpp; layout in
+  // csrc/lowbit/nvfp4_gemm_layout.h). nvfp4_prepack converts a checkpoint
+  // weight (uint8 [N, K/2], E4M3 scales [N, K/16]) once, at load time, to
+  // (uint8 [N, Kp/2], uint8 [N, Kp/16]), Kp = K rounded up to 128, the same
+  // layout on every device. nvfp4_linear: x [..., K] -> [..., N] in x's
+  // dtype, y = x W^T * weight_global (+ bias [N], x's dtype).
+  m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
+  m.def("nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None) -> Tensor");
 }

@@ -1,0 +1,151 @@
+// Bindings of lowbit::nvfp4_prepack / nvfp4_linear: validation and the CPU
+// and Meta kernels (CUDA in nvfp4_linear_ops_cuda.cpp). The CPU Linear is
+// the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
+// bias added in FP32, the result in x's dtype.
+#include "nvfp4_linear_ops.h"
+
+#include <torch/library.h>
+
+#include "checks.h"
+#include "lowbit/nvfp4_gemm.h"
+#include "lowbit/nvfp4_gemm_layout.h"
+
+namespace lowbit::ops {
+namespace {
+
+constexpr const char* kPrepack = "nvfp4_prepack";
+constexpr const char* kLinear = "nvfp4_linear";
+
+c10::SymInt padded_k_sym(const c10::SymInt& k) {
+  return (k + (nvfp4::gemm::kTileK - 1)) / nvfp4::gemm::kTileK * nvfp4::gemm::kTileK;
+}
+
+}  // namespace
+
+void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  check_dtype(weight, kPrepack, "weight", {at::kByte});
+  check_dims(weight, kPrepack, "weight", {2});
+  check_dtype(weight_scale, kPrepack, "weight_scale", {at::kFloat8_e4m3fn, at::kByte});
+  check_dims(weight_scale, kPrepack, "weight_scale", {2});
+  check_same_device(weight_scale, weight, kPrepack, "weight_scale", "weight");
+  TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", kPrepack,
+                    ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
+                    weight.sym_sizes());
+  check_last_dim_multiple(weight, nvfp4::kBlockSize / 2, kPrepack, "weight");
+  const c10::SymInt k = weight.sym_size(1) * 2;
+  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), k / nvfp4::kBlockSize}, kPrepack, "weight_scale");
+}
+
+std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weight) {
+  const c10::SymInt kp = padded_k_sym(weight.sym_size(1) * 2);
+  auto opts = weight.options().dtype(at::kByte);
+  return {at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / 2}, opts),
+          at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, opts)};
+}
+
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda) {
+  if (cuda) {
+    check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf});
+  } else {
+    check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf, at::kFloat});
+  }
+  TORCH_CHECK_VALUE(x.dim() >= 1, "lowbit.", kLinear, ": argument 'x' must be at least 1-D, got shape ",
+                    x.sym_sizes());
+  check_last_dim_multiple(x, nvfp4::kBlockSize, kLinear, "x");
+  check_dtype(weight, kLinear, "weight", {at::kByte});
+  check_dims(weight, kLinear, "weight", {2});
+  check_dtype(weight_scale, kLinear, "weight_scale", {at::kByte});
+  check_dims(weight_scale, kLinear, "weight_scale", {2});
+  check_dtype(weight_global, kLinear, "weight_global", {at::kFloat});
+  check_same_device(weight, x, kLinear, "weight", "x");
+  check_same_device(weight_scale, x, kLinear, "weight_scale", "x");
+  check_same_device(weight_global, x, kLinear, "weight_global", "x");
+  const c10::SymInt& k = x.sym_sizes().back();
+  const c10::SymInt kp = padded_k_sym(k);
+  TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", kLinear,
+                    ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
+                    weight.sym_sizes());
+  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", kLinear,
+                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
+                    kp / 2, "], got ", weight.sym_sizes());
+  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, kLinear, "weight_scale");
+  check_shape(weight_global, c10::SymDimVector{}, kLinear, "weight_global");
+  if (bias.has_value()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "lowbit.", kLinear,
+                     ": argument 'bias' must have the dtype of 'x' (", x.scalar_type(), "), got ",
+                     bias->scalar_type());
+    check_same_device(*bias, x, kLinear, "bias", "x");
+    check_shape(*bias, c10::SymDimVector{weight.sym_size(0)}, kLinear, "bias");
+  }
+}
+
+c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight) {
+  c10::SymDimVector out(x.sym_sizes().begin(), x.sym_sizes().end());
+  out.back() = weight.sym_size(0);
+  return out;
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> prepack_cpu(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  check_prepack(weight, weight_scale);
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto out = empty_prepack_outputs(w);
+  nvfp4::gemm::PrepackArgs a{};
+  a.codes = w.data_ptr<uint8_t>();
+  a.block_scale = reinterpret_cast<const uint8_t*>(s.data_ptr());
+  a.n = w.size(0);
+  a.k = w.size(1) * 2;
+  a.weight = std::get<0>(out).data_ptr<uint8_t>();
+  a.scale = std::get<1>(out).data_ptr<uint8_t>();
+  nvfp4::gemm::prepack_cpu(a);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> prepack_meta(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  check_prepack(weight, weight_scale);
+  return empty_prepack_outputs(weight);
+}
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                      const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
+  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/false);
+  const int64_t k = x.size(-1), n = weight.size(0);
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto g = weight_global.contiguous();
+  at::Tensor dequant = at::empty({n, k}, x.options().dtype(at::kFloat));
+  nvfp4::gemm::UnpackArgs a{};
+  a.weight = w.data_ptr<uint8_t>();
+  a.scale = s.data_ptr<uint8_t>();
+  a.global_scale = g.data_ptr<float>();
+  a.n = n;
+  a.k = k;
+  a.out = dequant.data_ptr();
+  a.out_dtype = DType::kFloat32;
+  nvfp4::gemm::unpack_cpu(a);
+  at::Tensor y = at::matmul(x.to(at::kFloat), dequant.t());
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
+  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/false);
+  return at::empty_symint(linear_output_shape(x, weight), x.options());
+}
+
+}  // namespace
+}  // namespace lowbit::ops
+
+TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
+  m.impl("nvfp4_prepack", &lowbit::ops::prepack_cpu);
+  m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
+}
+
+TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
+  m.impl("nvfp4_prepack", &lowbit::ops::prepack_meta);
+  m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
+}

@@ -1,0 +1,23 @@
+// Shared pieces of the NVFP4 Linear bindings (CPU, CUDA and Meta kernels):
+// validation and output shapes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace lowbit::ops {
+
+// Checks the checkpoint-layout weight [N, K/2] uint8 and its E4M3 (or uint8
+// code) block scales [N, K/16]; N and K multiples of 16.
+void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale);
+std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weight);
+
+// Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
+// [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32
+// and bias [N] in x's dtype, all on x's device.
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda);
+c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight);
+
+}  // namespace lowbit::ops

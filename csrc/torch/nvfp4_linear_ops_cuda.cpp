@@ -1,0 +1,105 @@
+// CUDA kernels of lowbit::nvfp4_prepack / nvfp4_linear: adapters to the core
+// launchers in csrc/lowbit/nvfp4_gemm.cu, and the M dispatch:
+//   M <= kFusedMaxM  fused decode + mma.sync kernel (split-K when N alone
+//                    does not fill the SMs; FP32 workspace from the caching
+//                    allocator, reduced in a fixed order)
+//   larger M         unpack the weight to x's dtype (global scale included)
+//                    into a temporary and call cuBLAS through at::linear.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "lowbit/nvfp4_gemm.h"
+#include "nvfp4_linear_ops.h"
+
+namespace lowbit::ops {
+namespace {
+
+namespace gemm = nvfp4::gemm;
+
+void check_sm90(const at::Tensor& t, const char* op) {
+  const auto* props = at::cuda::getDeviceProperties(t.device().index());
+  TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 9, "lowbit.", op, ": the CUDA kernels need compute capability 9.0 "
+                              "(Hopper, built for sm_90a), got ", props->major, ".", props->minor);
+}
+
+std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  check_prepack(weight, weight_scale);
+  c10::cuda::CUDAGuard guard(weight.device());
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto out = empty_prepack_outputs(w);
+  gemm::PrepackArgs a{};
+  a.codes = w.data_ptr<uint8_t>();
+  a.block_scale = reinterpret_cast<const uint8_t*>(s.data_ptr());
+  a.n = w.size(0);
+  a.k = w.size(1) * 2;
+  a.weight = std::get<0>(out).data_ptr<uint8_t>();
+  a.scale = std::get<1>(out).data_ptr<uint8_t>();
+  C10_CUDA_CHECK(gemm::prepack_cuda(a, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
+  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/true);
+  check_sm90(x, "nvfp4_linear");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t k = x.size(-1), n = weight.size(0);
+  const int64_t m = k == 0 ? 0 : x.numel() / k;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  auto w = contiguous_aligned(weight, 16);
+  auto s = contiguous_aligned(weight_scale, 16);
+  auto g = weight_global.contiguous();
+  if (m == 0 || n == 0) return at::zeros(out_shape, x.options());
+  at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
+  if (m > gemm::kFusedMaxM) {
+    at::Tensor dequant = at::empty({n, k}, x.options());
+    gemm::UnpackArgs a{};
+    a.weight = w.data_ptr<uint8_t>();
+    a.scale = s.data_ptr<uint8_t>();
+    a.global_scale = g.data_ptr<float>();
+    a.n = n;
+    a.k = k;
+    a.out = dequant.data_ptr();
+    a.out_dtype = to_lowbit_dtype(x.scalar_type());
+    C10_CUDA_CHECK(gemm::unpack_cuda(a, stream));
+    return at::linear(x2, dequant, bias).view(out_shape);
+  }
+  at::Tensor out = at::empty({m, n}, x.options());
+  const int64_t splits = gemm::fused_splits(m, n, k);
+  at::Tensor workspace;
+  gemm::LinearArgs a{};
+  a.x = x2.data_ptr();
+  a.dtype = to_lowbit_dtype(x.scalar_type());
+  a.weight = w.data_ptr<uint8_t>();
+  a.scale = s.data_ptr<uint8_t>();
+  a.global_scale = g.data_ptr<float>();
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    a.bias = b.data_ptr();
+  }
+  a.out = out.data_ptr();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  if (splits > 1) {
+    workspace = at::empty({splits, m, n}, x.options().dtype(at::kFloat));
+    a.workspace = workspace.data_ptr<float>();
+  }
+  C10_CUDA_CHECK(gemm::linear_fused_cuda(a, splits, stream));
+  return out.view(out_shape);
+}
+
+}  // namespace
+}  // namespace lowbit::ops
+
+TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
+  m.impl("nvfp4_prepack", &lowbit::ops::prepack_cuda);
+  m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
+}

@@ -1,0 +1,72 @@
+"""NVFP4 Linear (W4A16) against cuBLAS BF16 (F.linear) and FP8
+torch._scaled_mm (per-tensor scales, row-major A, column-major B), all timed
+the same way (CUDA graphs, cold L2 via rotating input sets).
+
+Floor per row: max(bytes / measured HBM bandwidth, flops / measured BF16
+peak), bytes = x + NVFP4 weight (0.5625 B/weight) + output. Columns:
+x_bf16 / x_fp8 = their time over ours (speedup), %bw = NVFP4 weight+x+out
+bytes / time over measured bandwidth, %floor = floor / time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import lowbit
+from lowbit.bench.harness import Hardware, rotation_count, time_calls
+
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
+SHAPES = [
+    (4096, 1536), (1024, 32768), (8192, 4096), (4096, 4096), (2048, 4096),
+    (7168, 18432), (18432, 7168), (7168, 4096), (2048, 7168), (1536, 24576),
+]  # (K, N)
+QUICK_MS = [1, 4, 16, 64, 256, 4096]
+QUICK_SHAPES = [(4096, 4096), (7168, 18432), (2048, 7168), (4096, 1536)]
+
+
+def _weights(k: int, n: int, count: int):
+    sets = []
+    for _ in range(count):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q = lowbit.nvfp4_quantize(w)
+        pw, ps = lowbit.nvfp4_prepack(q.packed, q.block_scale)
+        sets.append((w, pw, ps, q.global_scale))
+    return sets
+
+
+def run(hw: Hardware, quick: bool):
+    rows = []
+    one = torch.ones((), device="cuda")
+    for k, n in QUICK_SHAPES if quick else SHAPES:
+        fp4_bytes = n * k * 9 // 16
+        bf16_bytes = n * k * 2
+        n_sets = rotation_count(fp4_bytes, hw.l2_bytes, maximum=8)
+        # BF16 and FP8 peers rotate through as many sets as fit their own size
+        n_bf16 = rotation_count(bf16_bytes, hw.l2_bytes, maximum=8)
+        weights = _weights(k, n, max(n_sets, n_bf16))
+        w8 = [w.t().contiguous().to(torch.float8_e4m3fn).t() for w, *_ in weights]  # [K, N] column-major
+        for m in QUICK_MS if quick else MS:
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(n_sets, n_bf16))]
+            x8 = [x.to(torch.float8_e4m3fn) for x in xs]
+            t4 = time_calls(lambda i: lowbit.nvfp4_linear(xs[i], *weights[i][1:]), n_sets)
+            tb = time_calls(lambda i: F.linear(xs[i], weights[i][0]), n_bf16)
+            t8 = time_calls(
+                lambda i: torch._scaled_mm(x8[i], w8[i], scale_a=one, scale_b=one, out_dtype=torch.bfloat16), n_bf16
+            )
+            moved = fp4_bytes + m * k * 2 + m * n * 2
+            floor = hw.floor_s(moved, 2.0 * m * n * k)
+            rows.append({
+                "K": k, "N": n, "M": m, "wMB": fp4_bytes / 2**20,
+                "nvfp4_us": t4 * 1e6, "bf16_us": tb * 1e6, "fp8_us": t8 * 1e6,
+                "x_bf16": tb / t4, "x_fp8": t8 / t4,
+                "TFLOP/s": 2.0 * m * n * k / t4 / 1e12,
+                "%bw": 100 * moved / t4 / hw.hbm_bytes_per_s,
+                "floor_us": floor * 1e6, "%floor": 100 * floor / t4,
+            })
+            del xs, x8
+        del weights, w8
+        torch.cuda.empty_cache()
+    columns = ["K", "N", "M", "wMB", "nvfp4_us", "bf16_us", "fp8_us", "x_bf16", "x_fp8", "TFLOP/s", "%bw",
+               "floor_us", "%floor"]
+    return rows, columns

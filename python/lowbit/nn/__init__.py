@@ -1,0 +1,4 @@
+"""lowbit.nn: inference modules built on lowbit's operators."""
+
+from .linear import Nvfp4Linear  # noqa: F401
+from .router import Router  # noqa: F401

@@ -1,0 +1,98 @@
+"""``Nvfp4Linear``: an inference Linear layer with an NVFP4 weight (W4A16).
+
+Buffers (all in ``state_dict``): ``weight`` uint8 [N, Kp/2] and
+``weight_scale`` uint8 [N, Kp/16] in the prepacked layout of
+``lowbit.nvfp4_prepack``, ``weight_global`` float32 [] and, optionally,
+``bias`` [N] (kept in the activation dtype it was created with).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..linear import nvfp4_linear, nvfp4_prepack
+from ..ops import nvfp4_quantize
+
+
+class Nvfp4Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        if in_features % 16 or out_features % 16:
+            raise ValueError(
+                f"Nvfp4Linear: in_features and out_features must be multiples of 16, got {in_features}, {out_features}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        kp = (in_features + 127) // 128 * 128
+        self.register_buffer("weight", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, kp // 16, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_global", torch.ones((), dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
+        else:
+            self.bias = None
+
+    # ---- construction -----------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(
+        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None
+    ) -> "Nvfp4Linear":
+        """From checkpoint-layout tensors: ``weight`` uint8 [N, K/2],
+        ``weight_scale`` E4M3 [N, K/16], ``weight_global`` = amax / 2688."""
+        n, k = weight.shape[0], weight.shape[1] * 2
+        mod = cls(k, n, bias=bias is not None, device=weight.device,
+                  bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+        w, s = nvfp4_prepack(weight, weight_scale)
+        mod.weight.copy_(w)
+        mod.weight_scale.copy_(s)
+        mod.weight_global.copy_(weight_global.reshape(()).float())
+        if bias is not None:
+            mod.bias.copy_(bias)
+        return mod
+
+    @classmethod
+    def from_modelopt(
+        cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, bias: Tensor | None = None
+    ) -> "Nvfp4Linear":
+        """NVIDIA ModelOpt tensors: ``weight``, ``weight_scale``, ``weight_scale_2`` (= amax / 2688)."""
+        return cls.from_checkpoint(weight, weight_scale, weight_scale_2, bias)
+
+    @classmethod
+    def from_compressed_tensors(
+        cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Tensor | None = None
+    ) -> "Nvfp4Linear":
+        """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
+        return cls.from_checkpoint(weight_packed, weight_scale, 1.0 / weight_global_scale.float(), bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Nvfp4Linear":
+        """Quantizes ``linear.weight`` with the reference NVFP4 rule (lowbit.nvfp4_quantize)."""
+        with torch.no_grad():
+            q = nvfp4_quantize(linear.weight.detach())
+            bias = None if linear.bias is None else linear.bias.detach().to(
+                linear.weight.dtype if linear.weight.dtype != torch.float32 else torch.bfloat16
+            )
+            return cls.from_checkpoint(q.packed, q.block_scale, q.global_scale, bias)
+
+    # ---- forward ----------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_global, bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"format=nvfp4 (W4A16, group 16, prepacked), device={self.weight.device}"
+        )

@@ -1,0 +1,353 @@
+"""lowbit.nvfp4_linear / nvfp4_prepack and lowbit.nn.Nvfp4Linear.
+
+References are independent of lowbit's GEMM code: the dequantized weight comes
+from nvfp4_reference.dequantize (plain torch) on the checkpoint-layout
+tensors, and the product is an FP32 (or FP64) matmul. Tolerances:
+  * vs FP32 matmul with the dequantized weight: ||y - ref|| / ||ref|| <= 4e-3.
+    The CPU kernel is exact up to the output rounding (bf16: ~1.1e-3 rms);
+    the CUDA kernels add FP32 accumulation order (fused path) or a bf16
+    rounding of weight * global (cuBLAS path, ~1.1e-3 more).
+  * vs the unquantized BF16 Linear: cosine >= 0.99 (NVFP4 of Gaussian
+    weights keeps ~9-10% RMS error per weight, cosine ~0.995).
+"""
+
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.fx.experimental._config
+import torch.nn.functional as F
+
+import lowbit
+import nvfp4_reference as ref
+from lowbit.nn import Nvfp4Linear
+
+REL_TOL = 4e-3
+
+
+def rel_err(y, want):
+    return ((y.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def make_weight(n, k, gen, device="cpu"):
+    w = torch.randn(n, k, generator=gen) * 0.02
+    q = lowbit.nvfp4_quantize(w)
+    deq = ref.dequantize(q.packed, q.block_scale.view(torch.uint8), q.global_scale)
+    pw, ps = lowbit.nvfp4_prepack(q.packed.to(device), q.block_scale.to(device))
+    return w, q, deq, pw, ps, q.global_scale.to(device)
+
+
+def reference(x, deq, bias=None):
+    y = x.double() @ deq.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y
+
+
+# ---------------------------------------------------------------- CPU -------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(16, 16), (48, 144), (64, 400), (32, 1024)])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_cpu_matches_fp32_reference(dtype, n, k, m):
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    _, _, deq, pw, ps, g = make_weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for b in (None, bias):
+        y = lowbit.nvfp4_linear(x, pw, ps, g, b)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert rel_err(y, reference(x, deq, b)) <= REL_TOL
+
+
+def test_prepack_shapes_and_padding():
+    gen = torch.Generator().manual_seed(1)
+    _, q, _, pw, ps, _ = make_weight(32, 48, gen)
+    assert pw.shape == (32, 64) and pw.dtype == torch.uint8  # K padded to 128
+    assert ps.shape == (32, 8) and ps.dtype == torch.uint8
+    # uint8 E4M3 codes are accepted as well as float8_e4m3fn
+    pw2, ps2 = lowbit.nvfp4_prepack(q.packed, q.block_scale.view(torch.uint8))
+    assert torch.equal(pw, pw2) and torch.equal(ps, ps2)
+
+
+def test_special_block_scales():
+    # zero, negative, subnormal and NaN E4M3 block scales are all exact
+    gen = torch.Generator().manual_seed(2)
+    q = lowbit.nvfp4_quantize(torch.randn(32, 128, generator=gen))
+    codes = q.block_scale.view(torch.uint8).clone()
+    codes[0, 0] = 0x00  # zero
+    codes[1, 1] = codes[1, 1] | 0x80  # negative
+    codes[2, 2] = 0x03  # subnormal 3 * 2^-9
+    codes[3, 3] = 0x01  # smallest subnormal
+    pw, ps = lowbit.nvfp4_prepack(q.packed, codes)
+    deq = ref.dequantize(q.packed, codes, q.global_scale)
+    eye = torch.eye(128)
+    # y = I W^T gives W^T back: the unpacked weight, bit for bit
+    w_back = lowbit.nvfp4_linear(eye, pw, ps, q.global_scale).T
+    assert torch.equal(w_back, deq)
+    codes[4, 4] = 0x7F  # NaN scale: output feature 4 is NaN (0 * NaN too), the others are not
+    pw, ps = lowbit.nvfp4_prepack(q.packed, codes)
+    w_back = lowbit.nvfp4_linear(eye, pw, ps, q.global_scale).T
+    assert torch.isnan(w_back[4]).all() and torch.isfinite(w_back[torch.arange(32) != 4]).all()
+
+
+def test_cosine_vs_unquantized_linear():
+    gen = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(512, 256, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 512, generator=gen))
+    q = Nvfp4Linear.from_linear(lin)
+    x = torch.randn(8, 512, generator=gen).to(torch.bfloat16)
+    cos = F.cosine_similarity(q(x).float().flatten(), lin(x).float().flatten(), dim=0)
+    assert cos >= 0.99
+
+
+def test_batch_dims_and_empty():
+    gen = torch.Generator().manual_seed(4)
+    _, _, deq, pw, ps, g = make_weight(32, 64, gen)
+    x = torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16)
+    y = lowbit.nvfp4_linear(x, pw, ps, g)
+    assert y.shape == (2, 3, 32)
+    assert rel_err(y, reference(x, deq)) <= REL_TOL
+    assert lowbit.nvfp4_linear(torch.empty(0, 64, dtype=torch.bfloat16), pw, ps, g).shape == (0, 32)
+    assert lowbit.nvfp4_linear(torch.empty(4, 0, 64, dtype=torch.bfloat16), pw, ps, g).shape == (4, 0, 32)
+
+
+def test_bad_inputs_raise_clear_errors():
+    gen = torch.Generator().manual_seed(5)
+    _, q, _, pw, ps, g = make_weight(32, 64, gen)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'x' must have a last dimension divisible by 16, got shape \[4, 40\]"):
+        lowbit.nvfp4_linear(torch.randn(4, 40, dtype=torch.bfloat16), pw, ps, g)
+    with pytest.raises(TypeError, match=r"'x' must have dtype .*got Int"):
+        lowbit.nvfp4_linear(torch.ones(4, 64, dtype=torch.int32), pw, ps, g)
+    with pytest.raises(ValueError, match=r"'weight' must be prepacked .* for K = 256, i.e. have shape \[N, 128\], got \[32, 64\]"):
+        lowbit.nvfp4_linear(torch.randn(4, 256, dtype=torch.bfloat16), pw, ps, g)
+    with pytest.raises(ValueError, match=r"'weight_scale' must have shape \[32, 8\], got \[32, 4\]"):
+        lowbit.nvfp4_linear(x, pw, ps[:, :4], g)
+    with pytest.raises(TypeError, match=r"'weight_scale' must have dtype Byte, got Float"):
+        lowbit.nvfp4_linear(x, pw, ps.float(), g)
+    with pytest.raises(ValueError, match=r"'weight_global' must have shape \[\], got \[1\]"):
+        lowbit.nvfp4_linear(x, pw, ps, g.reshape(1))
+    with pytest.raises(ValueError, match=r"'bias' must have shape \[32\], got \[16\]"):
+        lowbit.nvfp4_linear(x, pw, ps, g, torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"'bias' must have the dtype of 'x' \(BFloat16\), got Float"):
+        lowbit.nvfp4_linear(x, pw, ps, g, torch.zeros(32))
+    with pytest.raises(ValueError, match=r"'weight' must have a first dimension \(N\) divisible by 16, got shape \[8, 32\]"):
+        lowbit.nvfp4_prepack(q.packed[:8], q.block_scale[:8])
+    with pytest.raises(ValueError, match=r"'weight_scale' must have shape \[32, 4\], got \[32, 2\]"):
+        lowbit.nvfp4_prepack(q.packed, q.block_scale[:, :2])
+    with pytest.raises(ValueError, match=r"'weight' must have a last dimension divisible by 8, got shape \[32, 4\]"):
+        lowbit.nvfp4_prepack(q.packed[:, :4], q.block_scale[:, :1])
+    with pytest.raises(TypeError, match=r"'weight' must have dtype Byte, got Float"):
+        lowbit.nvfp4_prepack(q.packed.float(), q.block_scale)
+    with pytest.raises(ValueError, match=r"in_features and out_features must be multiples of 16"):
+        Nvfp4Linear(20, 32)
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    _, q, _, pw, ps, g = make_weight(32, 144, gen)
+    x = torch.randn(5, 144, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(32, generator=gen).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x, pw, ps, g, bias))
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x.view(5, 1, 144), pw, ps, g))
+    # uint8 E4M3 codes: all four default tests (float8 inputs cannot be
+    # compared by test_schema, see test_nvfp4_quant.test_opcheck)
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_prepack.default, (q.packed, q.block_scale.view(torch.uint8)))
+
+
+def test_module_roundtrip_state_dict_and_repr():
+    gen = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
+    q = Nvfp4Linear.from_linear(lin)
+    assert "in_features=128, out_features=64, bias=True" in repr(q) and "nvfp4" in repr(q)
+    fresh = Nvfp4Linear(128, 64)
+    fresh.load_state_dict(q.state_dict())
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    assert torch.equal(fresh(x), q(x))
+    assert set(q.state_dict()) == {"weight", "weight_scale", "weight_global", "bias"}
+    moved = q.to("cpu")
+    assert moved is q and torch.equal(moved(x), q(x))
+
+
+def test_module_from_checkpoint_conventions():
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(64, 256, generator=gen) * 0.02
+    qt = lowbit.nvfp4_quantize(w)
+    deq = ref.dequantize(qt.packed, qt.block_scale.view(torch.uint8), qt.global_scale)
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    want = reference(x, deq)
+    mo = Nvfp4Linear.from_modelopt(qt.packed, qt.block_scale, qt.global_scale)
+    ct = Nvfp4Linear.from_compressed_tensors(qt.packed, qt.block_scale, 1.0 / qt.global_scale)
+    assert mo.bias is None
+    assert rel_err(mo(x), want) <= REL_TOL
+    assert rel_err(ct(x), want) <= REL_TOL
+
+
+def test_quantize_swaps_linears_in_place(capsys):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32), torch.nn.Linear(32, 10)
+    ).to(torch.bfloat16)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    want = model(x)
+    out = lowbit.quantize_(model, lambda mod, name: name != "2")
+    assert out is model
+    assert isinstance(model[0], Nvfp4Linear)
+    assert type(model[2]) is torch.nn.Linear  # filtered out
+    assert type(model[3]) is torch.nn.Linear  # 10 outputs: not a multiple of 16
+    assert "lowbit.quantize_" in capsys.readouterr().err
+    got = model(x)
+    assert F.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0) > 0.98
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, dims, device="cpu"):
+        super().__init__()
+        layers = []
+        for i in range(len(dims) - 1):
+            lin = torch.nn.Linear(dims[i], dims[i + 1]).to(device=device, dtype=torch.bfloat16)
+            layers.append(Nvfp4Linear.from_linear(lin))
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+# Dynamo specializes sizes 0 and 1 unless told not to: backed_size_oblivious
+# is torch's switch for that (serving stacks set it, or mark_unbacked), so
+# one graph serves M = 1 too.
+size_oblivious = torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+def test_compile_fullgraph_dynamic_no_recompile():
+    model = Stack([64, 128, 48, 32])
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    with size_oblivious:
+        for m in (1, 5, 64, 300, 4096):
+            x = torch.randn(m, 64).to(torch.bfloat16)
+            assert torch.equal(compiled(x), model(x))
+    assert counter.frame_count == 1
+
+
+def test_compile_inductor_fullgraph():
+    model = Stack([64, 32])
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    assert torch.equal(compiled(x), model(x))
+
+
+# ---------------------------------------------------------------- CUDA ------
+
+cuda = pytest.mark.cuda
+
+CUDA_M = [1, 2, 5, 8, 9, 16, 33, 64, 65, 300]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(16, 16), (48, 400), (1536, 4096), (4096, 1024), (256, 7168)])
+def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    deq_cuda = deq.cuda()
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
+    for m in CUDA_M:
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        for b in (None, bias):
+            y = lowbit.nvfp4_linear(x, pw, ps, g, b)
+            want = x.float() @ deq_cuda.T + (0 if b is None else b.float())
+            assert torch.isfinite(y).all()
+            err = rel_err(y, want)
+            assert err <= REL_TOL, (m, err)
+
+
+@cuda
+def test_cuda_prepack_matches_cpu_bitwise():
+    gen = torch.Generator().manual_seed(9)
+    q = lowbit.nvfp4_quantize(torch.randn(96, 400, generator=gen))
+    codes = q.block_scale.view(torch.uint8).clone()
+    codes[0, 0], codes[1, 1], codes[2, 2] = 0x00, codes[1, 1] | 0x80, 0x03
+    want = lowbit.nvfp4_prepack(q.packed, codes)
+    got = lowbit.nvfp4_prepack(q.packed.cuda(), codes.cuda())
+    assert torch.equal(got.weight.cpu(), want.weight) and torch.equal(got.scale.cpu(), want.scale)
+
+
+@cuda
+def test_cuda_special_scales_and_determinism():
+    gen = torch.Generator().manual_seed(10)
+    q = lowbit.nvfp4_quantize(torch.randn(64, 2048, generator=gen))
+    codes = q.block_scale.view(torch.uint8).clone()
+    codes[0, 0], codes[1, 1], codes[2, 2] = 0x00, codes[1, 1] | 0x80, 0x03
+    deq = ref.dequantize(q.packed, codes, q.global_scale).cuda()
+    pw, ps = lowbit.nvfp4_prepack(q.packed.cuda(), codes.cuda())
+    g = q.global_scale.cuda()
+    for m in (1, 16, 100):
+        x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16).cuda()
+        y = lowbit.nvfp4_linear(x, pw, ps, g)
+        assert rel_err(y, x.float() @ deq.T) <= REL_TOL
+        assert torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, g))  # deterministic
+
+
+@cuda
+def test_cuda_module_and_empty_and_cosine():
+    gen = torch.Generator().manual_seed(11)
+    lin = torch.nn.Linear(1024, 512).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(512, 1024, generator=gen))
+    q = Nvfp4Linear.from_linear(lin).to("cuda")
+    lin = lin.cuda()
+    for m in (1, 16, 4096):
+        x = torch.randn(m, 1024, generator=gen).to(torch.bfloat16).cuda()
+        cos = F.cosine_similarity(q(x).float().flatten(), lin(x).float().flatten(), dim=0)
+        assert cos >= 0.99
+    assert q(torch.empty(0, 1024, device="cuda", dtype=torch.bfloat16)).shape == (0, 512)
+    # CPU prepack, moved to the GPU, gives the CPU reference's answer
+    x = torch.randn(3, 1024, generator=gen).to(torch.bfloat16)
+    assert rel_err(q(x.cuda()).cpu(), q.to("cpu")(x).float()) <= REL_TOL
+
+
+@cuda
+def test_cuda_wrong_device_arguments():
+    gen = torch.Generator().manual_seed(12)
+    _, _, _, pw, ps, g = make_weight(32, 64, gen)
+    with pytest.raises(ValueError, match=r"'weight' must be on the device of 'x'"):
+        lowbit.nvfp4_linear(torch.randn(2, 64, device="cuda", dtype=torch.bfloat16), pw, ps, g)
+    with pytest.raises(TypeError, match=r"'x' must have dtype BFloat16 or Half, got Float"):
+        lowbit.nvfp4_linear(torch.randn(2, 64, device="cuda"), pw.cuda(), ps.cuda(), g.cuda())
+
+
+@cuda
+def test_cuda_compile_no_recompile_and_reduce_overhead_bitwise():
+    model = Stack([1024, 2048, 512], device="cuda")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    with size_oblivious:
+        for m in (1, 7, 64, 65, 4096):
+            x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(compiled(x), model(x))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for m in (4, 4, 4, 32, 32, 32):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(graphed(x), model(x))
+
+
+@cuda
+def test_cuda_no_host_sync_in_forward():
+    model = Stack([512, 256, 256], device="cuda")
+    xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 200)]
+    for x in xs:
+        model(x)  # warm up (allocator, cuBLAS handles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            model(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
