@@ -7,11 +7,6 @@
 // nothing is ever removed or re-sorted. The general path keeps the scores in
 // a global workspace instead of registers and runs the same loop.
 //
-// dense_router (small M): a warp computes one expert's logit for a tile of
-// 4 tokens (16-byte loads of the bf16 weight row, float32 accumulation);
-// the last CTA to finish a token tile (atomic counter) routes its tokens,
-// one warp each, reading the logits back through L2.
-//
 // hash_route: one warp per token, lanes over the k table entries.
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/routing.h"
@@ -26,13 +21,9 @@ constexpr int32_t kPadIndex = 0x7fffffff;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
-template <typename T, bool kCoherent>
+template <typename T>
 __device__ __forceinline__ float load_logit(const T* p) {
-  if constexpr (kCoherent) {
-    return __ldcg(p);  // written by other CTAs of this launch: read through L2
-  } else {
-    return cuda::to_float(__ldg(p));
-  }
+  return cuda::to_float(__ldg(p));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -111,7 +102,7 @@ __device__ __forceinline__ void load_scores(MemScores& r, const T* row, const fl
   const int lane = threadIdx.x & 31;
   float mx = neg_inf();
   for (int e = lane; e < p.experts; e += 32) {
-    const float x = load_logit<T, false>(row + e);
+    const float x = load_logit<T>(row + e);
     r.s[e] = x;
     mx = fmaxf(mx, x);
   }
@@ -227,16 +218,18 @@ __device__ __forceinline__ void select_and_write(Scores& r, const Params& p, flo
 // Each pick is two warp reductions (redux.sync): the largest key, then the
 // lowest expert index holding it. Group scores are computed by lane g over
 // group g from a per-warp shared copy of the biased scores.
-template <int EPT, typename T, bool kCoherent>
+template <int EPT, typename T>
 __device__ __forceinline__ void route_token_fast(const T* row, const float* bias, const Params& p, float* group_smem,
                                                  float* weights, int32_t* ids) {
   const int lane = threadIdx.x & 31;
-  float x[EPT], s[EPT];
+  float x[EPT], s[EPT], bias_v[EPT];
   uint32_t key[EPT];
+  // Logits and bias are loaded together: one memory round trip per token.
 #pragma unroll
   for (int j = 0; j < EPT; ++j) {
     const int e = lane + 32 * j;
-    x[j] = e < p.experts ? load_logit<T, kCoherent>(row + e) : 0.f;
+    x[j] = e < p.experts ? load_logit<T>(row + e) : 0.f;
+    bias_v[j] = bias && e < p.experts ? __ldg(bias + e) : 0.f;
   }
   if (p.score_func == ScoreFunc::kSoftmax) {
     float mx = neg_inf();
@@ -260,7 +253,7 @@ __device__ __forceinline__ void route_token_fast(const T* row, const float* bias
 #pragma unroll
   for (int j = 0; j < EPT; ++j) {
     const int e = lane + 32 * j;
-    const float b = selection_value(bias && e < p.experts ? s[j] + __ldg(bias + e) : s[j]);
+    const float b = selection_value(bias ? s[j] + bias_v[j] : s[j]);
     key[j] = e < p.experts ? topk::order_key(b) : 0u;
     if (p.n_group > 1 && e < p.experts) group_smem[e] = b;
   }
@@ -339,7 +332,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int64_t m = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   __shared__ float group_smem[kWarpsPerBlock][kFastMaxExperts];
   if (m >= tokens) return;
-  route_token_fast<EPT, T, false>(logits + m * p.experts, bias, p, group_smem[threadIdx.x >> 5], weights + m * p.topk,
+  route_token_fast<EPT, T>(logits + m * p.experts, bias, p, group_smem[threadIdx.x >> 5], weights + m * p.topk,
                                   ids + m * p.topk);
 }
 
@@ -374,85 +367,12 @@ cudaError_t route_typed(const RouteArgs& a, cudaStream_t stream) {
     LOWBIT_ROUTE_FAST(4);
   else if (a.experts <= 256)
     LOWBIT_ROUTE_FAST(8);
+  else if (a.experts <= 384)
+    LOWBIT_ROUTE_FAST(12);
   else
     LOWBIT_ROUTE_FAST(16);
 #undef LOWBIT_ROUTE_FAST
   return cudaGetLastError();
-}
-
-// ---- dense router: gate GEMM + routing in one launch ------------------------
-
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&out)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-template <int EPT>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    dense_router_fused_kernel(const __nv_bfloat16* __restrict__ hidden, const __nv_bfloat16* __restrict__ weight,
-                              int64_t H, int64_t tokens, const float* __restrict__ bias, Params p, float* logits,
-                              uint32_t* counters, float* __restrict__ weights, int32_t* __restrict__ ids) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int e = blockIdx.x * kWarpsPerBlock + warp;
-  const int64_t t0 = int64_t(blockIdx.y) * kDenseTokenTile;
-  const int nt = static_cast<int>(tokens - t0 < kDenseTokenTile ? tokens - t0 : kDenseTokenTile);
-  if (e < p.experts) {
-    float acc[kDenseTokenTile] = {};
-    const uint4* wrow = reinterpret_cast<const uint4*>(weight + int64_t(e) * H);
-    const int64_t vecs = H / 8;
-    // All loads of a step are issued before the first FMA: kInFlight weight
-    // vectors per lane (16 B each) and the matching hidden vectors.
-    constexpr int kInFlight = 8;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kInFlight) {
-      uint4 wv[kInFlight], hv[kInFlight][kDenseTokenTile];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        const int64_t v = v0 + 32 * u;
-        wv[u] = v < vecs ? __ldg(wrow + v) : zero;
-#pragma unroll
-        for (int t = 0; t < kDenseTokenTile; ++t)
-          hv[u][t] = v < vecs && t < nt ? __ldg(reinterpret_cast<const uint4*>(hidden + (t0 + t) * H) + v) : zero;
-      }
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u) {
-        float wf[8];
-        bf16x8_to_float(wv[u], wf);
-#pragma unroll
-        for (int t = 0; t < kDenseTokenTile; ++t) {
-          float hf[8];
-          bf16x8_to_float(hv[u][t], hf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[t] = __fmaf_rn(hf[i], wf[i], acc[t]);
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kDenseTokenTile; ++t) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == 0 && t < nt) {
-        logits[(t0 + t) * p.experts + e] = sum;
-        __threadfence();
-      }
-    }
-  }
-  __shared__ bool is_last;
-  __shared__ float group_smem[kWarpsPerBlock][kFastMaxExperts];
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counters + blockIdx.y, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int t = warp; t < nt; t += kWarpsPerBlock) {
-    const int64_t m = t0 + t;
-    route_token_fast<EPT, float, true>(logits + m * p.experts, bias, p, group_smem[warp], weights + m * p.topk,
-                                       ids + m * p.topk);
-  }
 }
 
 // ---- hash router --------------------------------------------------------------
@@ -521,36 +441,6 @@ cudaError_t hash_typed(const HashRouteArgs& a, cudaStream_t stream) {
 cudaError_t route_cuda(const RouteArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return cudaSuccess;
   return a.logits_dtype == DType::kBFloat16 ? route_typed<__nv_bfloat16>(a, stream) : route_typed<float>(a, stream);
-}
-
-bool dense_router_fused_supported(int64_t tokens, int64_t experts, int64_t hidden, const RouteArgs& route) {
-  return tokens <= kDenseFusedMaxTokens && experts <= kFastMaxExperts && route.topk <= kFastMaxTopK &&
-         hidden % 8 == 0;
-}
-
-cudaError_t dense_router_fused_cuda(const DenseRouterArgs& a, cudaStream_t stream) {
-  const RouteArgs& r = a.route;
-  if (r.tokens == 0) return cudaSuccess;
-  const Params p = params_of(r);
-  dim3 grid(static_cast<unsigned>(cuda::ceil_div(r.experts, kWarpsPerBlock)),
-            static_cast<unsigned>(cuda::ceil_div(r.tokens, kDenseTokenTile)));
-  const auto* hidden = static_cast<const __nv_bfloat16*>(a.hidden);
-  const auto* weight = static_cast<const __nv_bfloat16*>(a.weight);
-#define LOWBIT_DENSE_FUSED(EPT)                                                                              \
-  dense_router_fused_kernel<EPT><<<grid, kWarpsPerBlock * 32, 0, stream>>>(                                  \
-      hidden, weight, a.hidden_size, r.tokens, r.bias, p, a.logits_workspace, a.counters, r.weights, r.ids)
-  if (r.experts <= 32)
-    LOWBIT_DENSE_FUSED(1);
-  else if (r.experts <= 64)
-    LOWBIT_DENSE_FUSED(2);
-  else if (r.experts <= 128)
-    LOWBIT_DENSE_FUSED(4);
-  else if (r.experts <= 256)
-    LOWBIT_DENSE_FUSED(8);
-  else
-    LOWBIT_DENSE_FUSED(16);
-#undef LOWBIT_DENSE_FUSED
-  return cudaGetLastError();
 }
 
 cudaError_t hash_route_cuda(const HashRouteArgs& a, cudaStream_t stream) {

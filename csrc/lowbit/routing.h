@@ -72,25 +72,8 @@ int64_t route_workspace_floats(const RouteArgs& args);
 
 void route_cpu(const RouteArgs& args);
 
-// Gate GEMM fused with routing on the GPU for small token counts:
-// logits[M, E] = hidden[M, H] (bf16) x weight[E, H]^T accumulated in float32,
-// then the routing of RouteArgs (whose logits field is ignored).
-struct DenseRouterArgs {
-  const void* hidden;  // [M, H] bfloat16, 16-byte aligned rows (H % 8 == 0)
-  const void* weight;  // [E, H] bfloat16
-  int64_t hidden_size;
-  RouteArgs route;
-  float* logits_workspace;  // [M, E] floats
-  uint32_t* counters;       // [ceil(M / kDenseTokenTile)] zero-initialized
-};
-constexpr int kDenseTokenTile = 4;
-constexpr int64_t kDenseFusedMaxTokens = 64;
-
 #if defined(LOWBIT_WITH_CUDA)
 cudaError_t route_cuda(const RouteArgs& args, cudaStream_t stream);
-// True when dense_router_fused_cuda handles these sizes.
-bool dense_router_fused_supported(int64_t tokens, int64_t experts, int64_t hidden, const RouteArgs& route);
-cudaError_t dense_router_fused_cuda(const DenseRouterArgs& args, cudaStream_t stream);
 #endif
 
 // DeepSeek-V4 hash router: ids = tid2eid[token_ids]; weights are the gate's

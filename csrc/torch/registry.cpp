@@ -25,6 +25,25 @@ TORCH_LIBRARY(lowbit, m) {
   // Build flags of this library, e.g. "cuda=1 arch=sm_90a".
   m.def("build_info() -> str", &build_info);
 
+  // MoE routing (routing_ops.cpp; math in csrc/lowbit/routing.h). Returns
+  // (weights float32 [M, k], ids int32 [M, k]), ids in descending score
+  // order, ties to the lower expert index. score_func: "sqrtsoftplus"
+  // (DeepSeek-V4), "sigmoid" (DeepSeek-V3) or "softmax". k, n_group and
+  // topk_group are model configuration; M comes from the shapes.
+  //   route:        logits [M, E] float32/bf16, bias [E] float32 (selects only).
+  //   dense_router: hidden [M, H] and gate weight [E, H] (bf16 or float32);
+  //                 logits in float32 (GPU: cuBLAS, float32 out, then route).
+  //   hash_router:  token_ids [M] int64/int32, tid2eid [V, k] int32; weights
+  //                 from the gate logits [M, E] (weighting "gate") or 1/k
+  //                 ("uniform"). Bad ids raise on CPU; on the GPU that
+  //                 token gets ids -1 and weights 0.
+  //   topk:         input [R, C] float32/bf16, C <= 131072, k <= 2048 ->
+  //                 (values [R, k] input dtype, indices int32 [R, k]).
+  m.def("route(Tensor logits, Tensor? bias, int k, str score_func=\"sqrtsoftplus\", int n_group=1, int topk_group=1, bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
+  m.def("dense_router(Tensor hidden, Tensor weight, Tensor? bias, int k, str score_func=\"sqrtsoftplus\", int n_group=1, int topk_group=1, bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
+  m.def("hash_router(Tensor token_ids, Tensor tid2eid, Tensor? logits, str score_func=\"sqrtsoftplus\", str weighting=\"gate\", bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
+  m.def("topk(Tensor input, int k) -> (Tensor, Tensor)");
+
   // NVFP4 format (nvfp4_quant_ops.cpp). input [N, K] or stacked experts
   // [E, N, K]; global_scale [] or [E] in the ModelOpt convention
   // (amax / 2688). Returns packed uint8 [..., K/2], float8_e4m3fn block

@@ -5,6 +5,7 @@ from ._library import build_info, has_cuda_kernels, load as _load
 _load()
 
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+from .routing import dense_router, hash_router, route, topk  # noqa: E402
 from .linear import nvfp4_linear, nvfp4_prepack, quantize_  # noqa: E402
 
 __version__ = "0.1.0"
@@ -12,10 +13,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Nvfp4Tensor",
     "build_info",
+    "dense_router",
+    "hash_router",
     "has_cuda_kernels",
     "nvfp4_dequantize",
     "nvfp4_linear",
     "nvfp4_prepack",
     "nvfp4_quantize",
+    "route",
+    "topk",
     "quantize_",
 ]

@@ -1,0 +1,83 @@
+// CUDA kernels of lowbit::route / dense_router / hash_router / topk: thin
+// adapters from at::Tensor to the core launchers (routing.cu, topk.cu).
+// Workspaces come from the caching allocator, so every op is CUDA-graph safe.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "routing_ops.h"
+
+namespace lowbit::ops {
+namespace {
+
+RouteOut route_cuda(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
+                    c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
+  auto o = check_route("route", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  c10::cuda::CUDAGuard guard(logits.device());
+  auto x = logits.contiguous();
+  c10::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->contiguous();
+  auto out = empty_route_outputs(x, x.sym_size(0), k);
+  auto args = route_args(x, b, o, out);
+  at::Tensor workspace;
+  const int64_t ws = routing::route_workspace_floats(args);
+  if (ws > 0) {
+    workspace = at::empty({ws}, x.options().dtype(at::kFloat));
+    args.workspace = workspace.data_ptr<float>();
+  }
+  C10_CUDA_CHECK(routing::route_cuda(args, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           int64_t k, c10::string_view score_func, int64_t n_group, int64_t topk_group,
+                           bool renormalize, double scale) {
+  check_dense_router(hidden, weight);
+  c10::cuda::CUDAGuard guard(hidden.device());
+  // cuBLAS with float32 output, then the routing kernel. A fused gate GEMV +
+  // routing kernel (last-CTA epilogue) measured slower than this at every M
+  // (docs/PERF.md, dense_router v1) and was removed; see the notes there.
+  auto logits = hidden.scalar_type() == at::kBFloat16 ? at::mm(hidden, weight.t(), at::kFloat)
+                                                      : at::mm(hidden, weight.t());
+  check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  return route_cuda(logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+}
+
+RouteOut hash_router_cuda(const at::Tensor& token_ids, const at::Tensor& tid2eid,
+                          const c10::optional<at::Tensor>& logits, c10::string_view score_func,
+                          c10::string_view weighting, bool renormalize, double scale) {
+  auto o = check_hash_router(token_ids, tid2eid, logits, score_func, weighting);
+  c10::cuda::CUDAGuard guard(token_ids.device());
+  auto ids = token_ids.contiguous();
+  auto table = tid2eid.contiguous();
+  c10::optional<at::Tensor> x;
+  if (logits.has_value()) x = logits->contiguous();
+  auto out = empty_route_outputs(ids, ids.sym_size(0), table.sym_size(1));
+  C10_CUDA_CHECK(routing::hash_route_cuda(hash_args(ids, table, x, o, renormalize, scale, out),
+                                          c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& input, int64_t k) {
+  check_topk(input, k);
+  c10::cuda::CUDAGuard guard(input.device());
+  auto x = input.contiguous();
+  auto out = empty_topk_outputs(x, k);
+  auto args = topk_args(x, k, out);
+  auto workspace = at::empty({std::max<int64_t>(1, topk::topk_workspace_words(args))}, x.options().dtype(at::kInt));
+  args.workspace = reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>());
+  C10_CUDA_CHECK(topk::topk_cuda(args, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+}  // namespace lowbit::ops
+
+TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
+  m.impl("route", &lowbit::ops::route_cuda);
+  m.impl("dense_router", &lowbit::ops::dense_router_cuda);
+  m.impl("hash_router", &lowbit::ops::hash_router_cuda);
+  m.impl("topk", &lowbit::ops::topk_cuda);
+}
