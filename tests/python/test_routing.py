@@ -40,7 +40,7 @@ def check_route(logits, bias, k, score_func, n_group=1, topk_group=1, renormaliz
         gb, wb = biased.gather(1, got)[mismatch], biased.gather(1, want_ids)[mismatch]
         close = (gb - wb).abs() <= 2e-6 * wb.abs().clamp_min(1e-30)
         assert close.all(), f"{int((~close).sum())} id mismatches beyond float32 resolution, first at {where}"
-        assert mismatch.float().mean() < 1e-3
+        assert mismatch.any(-1).float().mean() <= 0.05  # a few tokens, never a systematic shift
     s = ref.scores(x, score_func).gather(1, got)
     if renormalize:
         s = s / (s.sum(-1, keepdim=True) + 1e-20)
