@@ -59,8 +59,9 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ in
 }
 
 // E2M1 code of q = RN(x / d) in the common case: x finite and |x| * r
-// finite, so q is finite and carries the sign of x (zeros and underflow
-// included). Matches encode_element bit for bit there, in ~16 instructions.
+// finite, so q is finite. The sign comes from x, not q: for x = -0 the
+// correction step computes (+0) + (-0) = +0. Matches encode_element bit for
+// bit there, in ~16 instructions.
 __device__ __forceinline__ uint32_t encode_element_finite(float x, float d, float r) {
   const float q0 = __fmul_rn(x, r);
   const float q = __fmaf_rn(__fmaf_rn(-q0, d, x), r, q0);
@@ -68,7 +69,7 @@ __device__ __forceinline__ uint32_t encode_element_finite(float x, float d, floa
   const float scale = a >= 4.f ? 0.5f : (a >= 2.f ? 1.f : 2.f);
   const uint32_t offset = a >= 4.f ? 4u : (a >= 2.f ? 2u : 0u);
   const uint32_t code = min(static_cast<uint32_t>(__float2int_rn(a * scale)) + offset, 7u);
-  return code | ((__float_as_uint(q) >> 28) & 8u);
+  return code | ((__float_as_uint(x) >> 28) & 8u);
 }
 
 // Codes of one 16-element block (8 bytes, element 2j in the low nibble of

@@ -72,6 +72,7 @@ def test_edge_cases_match_reference():
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(8, 64, generator=gen)
     x[0, :16] = 0.0  # an all-zero block
+    x[7, ::3] = -0.0  # negative zeros inside ordinary blocks keep their sign
     x[1, :16] = -1e-30  # tiny negatives round to -0
     x[2, 16:32] = 1e-12  # block ratio clamps up to 2^-6
     x[3, :] = 3e4  # large values
@@ -251,6 +252,17 @@ def test_cuda_matches_cpu_bitwise(dtype, shape):
         assert_bitwise_equal(
             lowbit.nvfp4_dequantize(*got, out_dtype=out_dtype).cpu(), lowbit.nvfp4_dequantize(*want, out_dtype=out_dtype)
         )
+
+
+@cuda
+def test_cuda_signed_zeros_keep_their_sign():
+    x = torch.randn(64, 256)
+    x[::3, ::5] = -0.0
+    x[1::3, ::7] = 0.0
+    got = lowbit.nvfp4_quantize(x.cuda())
+    want = lowbit.nvfp4_quantize(x)
+    for a, b in zip(got, want):
+        assert_bitwise_equal(a.cpu(), b)
 
 
 @cuda
