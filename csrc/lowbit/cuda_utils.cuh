@@ -68,6 +68,22 @@ __device__ __forceinline__ void store8<float>(float* p, const float (&in)[8]) {
   reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
 }
 
+// Stores 4 consecutive elements (8-byte aligned for 16-bit types, 16-byte
+// aligned for float).
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&in)[4]) {
+  static_assert(sizeof(T) == 2, "16-bit element types");
+  uint2 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e[i] = from_float<T>(in[i]);
+  *reinterpret_cast<uint2*>(p) = v;
+}
+template <>
+__device__ __forceinline__ void store4<float>(float* p, const float (&in)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
+}
+
 // Streaming multiprocessors of the current device, cached per device.
 int num_sms();
 

@@ -49,27 +49,6 @@ __global__ void fill_scale_kernel(uint8_t* __restrict__ scale, int64_t count, ui
   if (i < count) scale[i] = value;
 }
 
-// One thread per (row, 8 consecutive columns).
-template <typename T>
-__global__ void unpack_kernel(const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-                              const float* __restrict__ global_scale, int64_t n, int64_t k, int64_t kp,
-                              T* __restrict__ out) {
-  const int64_t groups = k / 8;
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n * groups) return;
-  const int64_t row = i / groups, k0 = (i % groups) * 8;
-  const float global = __ldg(global_scale);
-  float y[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const ElementPos p = element_pos(row, k0 + j, kp);
-    const uint32_t word = __ldg(reinterpret_cast<const uint32_t*>(weight + p.word_byte));
-    const uint32_t code = ((word >> p.slot.mag) & 7u) | (((word >> p.slot.sign) & 1u) << 3);
-    y[j] = decode_element(code, decode_scale(__ldg(scale + p.scale_byte)), global);
-  }
-  cuda::store8(out + row * k + k0, y);
-}
-
 // ---- fused small-M GEMM -------------------------------------------------------
 
 constexpr int kWarps = 8;
@@ -137,6 +116,45 @@ template <> struct Mma<__half> {
   }
 };
 
+// Unpack: one thread per lane word (8 codes of two rows in one k-tile),
+// decoded exactly as the GEMM does (e2m1 * scale * 2^-8 in bf16), then
+// * global * 2^8 in FP32 and one rounding to T; each row's 4 values are
+// consecutive columns (the K permutation of the layout), one 8-byte store.
+template <typename T>
+__global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t* __restrict__ scale,
+                              const float* __restrict__ global_scale, int64_t n, int64_t k, int64_t kp,
+                              T* __restrict__ out) {
+  const int64_t words = n * kp / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= words) return;
+  const int64_t tile = i / 256;
+  const int within = static_cast<int>(i % 256);
+  const int half = within / 128, lane = (within % 128) / 4, kt = half * 4 + within % 4;
+  const int64_t tiles_k = kp / kTileK;
+  const int64_t col = (tile % tiles_k) * kTileK + kt * 16 + (lane % 4) * 4;
+  if (col >= k) return;
+  const int64_t row = (tile / tiles_k) * kTileN + lane / 4;
+  const uint32_t word = __ldg(weight + i);
+  const uint32_t sw = __ldg(reinterpret_cast<const uint32_t*>(scale + tile * kTileScaleBytes + (lane / 4) * 16) + kt / 2);
+  uint32_t a[4];
+  Mma<__nv_bfloat16>::decode(word, a);
+  const uint32_t mult_lo = Mma<__nv_bfloat16>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);
+  const uint32_t mult_hi = Mma<__nv_bfloat16>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);
+  const float g = __ldg(global_scale) * kDecodeUnscale;
+  const uint32_t lo[2] = {Mma<__nv_bfloat16>::mul(a[0], mult_lo), Mma<__nv_bfloat16>::mul(a[2], mult_lo)};
+  const uint32_t hi[2] = {Mma<__nv_bfloat16>::mul(a[1], mult_hi), Mma<__nv_bfloat16>::mul(a[3], mult_hi)};
+  float v_lo[4], v_hi[4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    v_lo[2 * j] = __uint_as_float(lo[j] << 16) * g;
+    v_lo[2 * j + 1] = __uint_as_float(lo[j] & 0xffff0000u) * g;
+    v_hi[2 * j] = __uint_as_float(hi[j] << 16) * g;
+    v_hi[2 * j + 1] = __uint_as_float(hi[j] & 0xffff0000u) * g;
+  }
+  cuda::store4(out + row * k + col, v_lo);
+  cuda::store4(out + (row + 8) * k + col, v_hi);
+}
+
 // One 128-column tile's operands held by a lane.
 template <int MT>
 struct Stage {
@@ -190,7 +208,7 @@ __device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[
 // grid: (ceil(M / (8 MT)), N / 16, splits). Output tile: 16 rows of W x 8 MT
 // rows of x.
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads) linear_fused_kernel(
+__global__ void __launch_bounds__(kThreads, 2) linear_fused_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
@@ -209,14 +227,32 @@ __global__ void __launch_bounds__(kThreads) linear_fused_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
 
-  int64_t kc = kc_begin + warp;
-  if (kc < kc_end) {
-    Stage<MT> cur;
-    load_stage<T, MT>(cur, wbase + kc * 64, sbase + kc * 8, x, m0, m, k, kc * kTileK, lane);
-    for (; kc < kc_end; kc += kWarps) {
-      const int64_t next = kc + kWarps;
-      Stage<MT> nxt;
-      if (next < kc_end) load_stage<T, MT>(nxt, wbase + next * 64, sbase + next * 8, x, m0, m, k, next * kTileK, lane);
+  auto load = [&](Stage<MT>& st, int64_t kc) {
+    if (kc < kc_end) load_stage<T, MT>(st, wbase + kc * 64, sbase + kc * 8, x, m0, m, k, kc * kTileK, lane);
+  };
+  const int64_t kc0 = kc_begin + warp;
+  if constexpr (MT == 1) {
+    // Three register stages: two tiles in flight while one is decoded.
+    Stage<MT> s0, s1, s2;
+    load(s0, kc0);
+    load(s1, kc0 + kWarps);
+    for (int64_t kc = kc0; kc < kc_end; kc += 3 * kWarps) {
+      load(s2, kc + 2 * kWarps);
+      compute_stage<T, MT>(s0, acc);
+      if (kc + kWarps >= kc_end) break;
+      load(s0, kc + 3 * kWarps);
+      compute_stage<T, MT>(s1, acc);
+      if (kc + 2 * kWarps >= kc_end) break;
+      load(s1, kc + 4 * kWarps);
+      compute_stage<T, MT>(s2, acc);
+    }
+  } else {
+    // Two stages: three would need 177 registers (one CTA per SM), which
+    // measured slower at M = 16 than this.
+    Stage<MT> cur, nxt;
+    load(cur, kc0);
+    for (int64_t kc = kc0; kc < kc_end; kc += kWarps) {
+      load(nxt, kc + kWarps);
       compute_stage<T, MT>(cur, acc);
       cur = nxt;
     }
@@ -302,21 +338,21 @@ cudaError_t prepack_cuda(const PrepackArgs& a, cudaStream_t stream) {
 }
 
 cudaError_t unpack_cuda(const UnpackArgs& a, cudaStream_t stream) {
-  const int64_t count = a.n * (a.k / 8);
-  if (count == 0) return cudaSuccess;
   const int64_t kp = padded_k(a.k);
+  const int64_t count = a.n * kp / 8;
+  if (count == 0 || a.k == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(cuda::ceil_div(count, 256));
   switch (a.out_dtype) {
     case DType::kBFloat16:
-      unpack_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(a.weight, a.scale, a.global_scale, a.n, a.k, kp,
+      unpack_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint32_t*>(a.weight), a.scale, a.global_scale, a.n, a.k, kp,
                                                              static_cast<__nv_bfloat16*>(a.out));
       break;
     case DType::kFloat16:
-      unpack_kernel<__half><<<grid, 256, 0, stream>>>(a.weight, a.scale, a.global_scale, a.n, a.k, kp,
+      unpack_kernel<__half><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint32_t*>(a.weight), a.scale, a.global_scale, a.n, a.k, kp,
                                                       static_cast<__half*>(a.out));
       break;
     case DType::kFloat32:
-      unpack_kernel<float><<<grid, 256, 0, stream>>>(a.weight, a.scale, a.global_scale, a.n, a.k, kp,
+      unpack_kernel<float><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint32_t*>(a.weight), a.scale, a.global_scale, a.n, a.k, kp,
                                                      static_cast<float*>(a.out));
       break;
   }

@@ -51,8 +51,8 @@ cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);
 cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 
 // Largest M the fused small-M kernel takes; larger M goes through unpack +
-// cuBLAS in the binding.
-constexpr int64_t kFusedMaxM = 64;
+// cuBLAS in the binding (measured faster from M = 64 on, docs/PERF.md).
+constexpr int64_t kFusedMaxM = 32;
 // Split-K factor the fused kernel uses for this problem (workspace floats =
 // splits * m * n when it is > 1).
 int64_t fused_splits(int64_t m, int64_t n, int64_t k);

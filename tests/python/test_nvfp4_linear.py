@@ -245,7 +245,7 @@ def test_compile_inductor_fullgraph():
 
 cuda = pytest.mark.cuda
 
-CUDA_M = [1, 2, 5, 8, 9, 16, 33, 64, 65, 300]
+CUDA_M = [1, 2, 5, 8, 9, 16, 32, 33, 64, 65, 300]
 
 
 @cuda
