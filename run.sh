@@ -41,7 +41,9 @@ build() {
 }
 
 run_python() {
-  PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$@"
+  local lib=$BUILD_DIR/liblowbit_ops.so
+  [[ $lib == /* ]] || lib=$ROOT/$lib
+  LOWBIT_OPS_LIBRARY=$lib PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$@"
 }
 
 cmd=${1:-}

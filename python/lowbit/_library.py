@@ -16,9 +16,15 @@ _loaded_path: str | None = None
 
 
 def library_path() -> Path:
-    """Where the op library is looked up: $LOWBIT_OPS_LIBRARY, else beside this file."""
+    """Where the op library is: $LOWBIT_OPS_LIBRARY if set; else beside this
+    file (pip installs); else the build folder of a source checkout
+    (python/lowbit -> build/, as `bash run.sh build` makes it)."""
     override = os.environ.get("LOWBIT_OPS_LIBRARY")
-    return Path(override) if override else Path(__file__).with_name(_LIBRARY_NAME)
+    if override:
+        return Path(override)
+    installed = Path(__file__).with_name(_LIBRARY_NAME)
+    checkout = Path(__file__).resolve().parents[2] / "build" / _LIBRARY_NAME
+    return installed if installed.is_file() or not checkout.is_file() else checkout
 
 
 def load() -> str:
