@@ -24,6 +24,7 @@ export CUDAHOSTCXX=$CXX
 if [[ -d .deps/gtest ]]; then export CMAKE_ARGS="${CMAKE_ARGS:-} -DGTEST_ROOT=$PWD/.deps/gtest"; fi
 
 summary=()
+failed=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
 
 start=$(date +%s)
@@ -39,7 +40,10 @@ start=$(date +%s)
 bash run.sh test -q -p no:cacheprovider $TESTS >"$OUT/tests.log" 2>&1
 rc=$?
 summary+=("tests: rc=$rc in $(( $(date +%s) - start )) s: $(grep -E '^[0-9]+ (passed|failed)|[0-9]+ passed|tests passed' "$OUT/tests.log" | tail -2 | tr '\n' ' ')")
-if [[ $rc -ne 0 ]]; then grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -30; fi
+if [[ $rc -ne 0 ]]; then
+  failed=1
+  grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -30
+fi
 
 : >"$OUT/bench.log"
 for suite in $SUITES; do
@@ -49,6 +53,7 @@ for suite in $SUITES; do
   if bash run.sh bench "$suite" --json "$OUT/bench_$suite.json" $BENCH_ARGS >>"$OUT/bench.log" 2>&1; then
     summary+=("bench $suite: ok in $(( $(date +%s) - start )) s")
   else
+    failed=1
     summary+=("bench $suite: FAILED (see bench.log)")
   fi
 done
@@ -57,3 +62,4 @@ echo "=== benchmarks"
 cat "$OUT/bench.log"
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
+exit $failed
