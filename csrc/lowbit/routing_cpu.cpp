@@ -28,9 +28,11 @@ int32_t best_after(const std::vector<float>& v, const std::vector<char>& keep, f
 
 void finish_weights(float* w, int32_t k, bool renormalize, float scale) {
   if (renormalize) {
-    float sum = 0.f;
+    // Summed in double so that the reference's only float32 roundings are the
+    // final sum and the division (k can be large).
+    double sum = 0.0;
     for (int32_t j = 0; j < k; ++j) sum += w[j];
-    const float denom = sum + kRenormEpsilon;
+    const float denom = static_cast<float>(sum) + kRenormEpsilon;
     for (int32_t j = 0; j < k; ++j) w[j] /= denom;
   }
   for (int32_t j = 0; j < k; ++j) w[j] *= scale;
@@ -56,12 +58,13 @@ void route_cpu(const RouteArgs& a) {
     if (a.score_func == ScoreFunc::kSoftmax) {
       float mx = s[0];
       for (int64_t e = 1; e < E; ++e) mx = std::max(mx, s[e]);
-      float sum = 0.f;
+      double sum = 0.0;
       for (int64_t e = 0; e < E; ++e) {
         s[e] = expf(s[e] - mx);
         sum += s[e];
       }
-      for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+      const float total = static_cast<float>(sum);
+      for (int64_t e = 0; e < E; ++e) s[e] /= total;
     }
     for (int64_t e = 0; e < E; ++e) biased[e] = selection_value(a.bias ? s[e] + a.bias[e] : s[e]);
 
