@@ -2,6 +2,8 @@
 in nvfp4_reference.py (bit-exact), plus the operator conventions: opcheck,
 torch.compile, dynamic shapes, empty inputs, bad inputs, CUDA graphs."""
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -47,7 +49,8 @@ def heavy_tailed(shape, dtype, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 16), (7, 48), (64, 256), (3, 5, 32)])
 def test_random_gaussian_matches_reference(dtype, shape):
-    gen = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    # crc32, not hash(): str hashes change per process, failures must reproduce
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{shape}".encode()))
     check_against_reference((torch.randn(shape, generator=gen) * 0.05).to(dtype))
 
 
