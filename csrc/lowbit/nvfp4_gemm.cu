@@ -163,23 +163,31 @@ struct Stage {
   uint2 x[MT][8];  // activations of row (m-tile, g), 4 values per k-tile
 };
 
+// xrow[mt]: this lane's activation row (m-tile mt, row g; rows past M are
+// clamped to M - 1, whose results the epilogue never stores) at column 4 t,
+// computed once per kernel, so a full tile's 8 activation loads need no
+// address arithmetic or predicates. Only a partial last tile (K not a
+// multiple of 128) checks columns.
 template <typename T, int MT>
 __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restrict__ wtile,
-                                           const uint4* __restrict__ stile, const T* __restrict__ x, int64_t m0,
-                                           int64_t m, int64_t k, int64_t col0, int lane) {
+                                           const uint4* __restrict__ stile, const T* const (&xrow)[MT],
+                                           int64_t k, int64_t col0, int lane) {
   st.w[0] = __ldg(wtile + lane);
   st.w[1] = __ldg(wtile + 32 + lane);
   st.s = __ldg(stile + lane / 4);
-  const int g = lane / 4, t = lane % 4;
+  if (col0 + kTileK <= k) {
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int64_t row = m0 + mt * 8 + g;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      const int64_t col = col0 + kt * 16 + t * 4;
-      st.x[mt][kt] = (row < m && col < k) ? __ldg(reinterpret_cast<const uint2*>(x + row * k + col))
-                                          : make_uint2(0, 0);
-    }
+      for (int kt = 0; kt < 8; ++kt) st.x[mt][kt] = __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16));
+  } else {
+    const int t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt)
+        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k ? __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16))
+                                                  : make_uint2(0, 0);
   }
 }
 
@@ -227,8 +235,14 @@ __global__ void __launch_bounds__(kThreads, 2) linear_fused_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
 
+  const T* xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int64_t row = min(m0 + mt * 8 + lane / 4, m - 1);
+    xrow[mt] = x + row * k + (lane % 4) * 4;
+  }
   auto load = [&](Stage<MT>& st, int64_t kc) {
-    if (kc < kc_end) load_stage<T, MT>(st, wbase + kc * 64, sbase + kc * 8, x, m0, m, k, kc * kTileK, lane);
+    if (kc < kc_end) load_stage<T, MT>(st, wbase + kc * 64, sbase + kc * 8, xrow, k, kc * kTileK, lane);
   };
   const int64_t kc0 = kc_begin + warp;
   if constexpr (MT == 1) {
