@@ -1,5 +1,6 @@
-"""python -m lowbit.demo: quantize a realistic weight to NVFP4 and report
-its accuracy and size, and on a GPU the quantizer's speed.
+"""python -m lowbit.demo: quantize a realistic weight to NVFP4, report its
+accuracy and size, and run it as an NVFP4 Linear layer; on a GPU also time
+the quantizer and the layer beside cuBLAS BF16.
 
 Runs on CPU; uses the GPU when one is present (or --device cuda).
 """
@@ -17,9 +18,9 @@ import lowbit
 def realistic_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
     """A trained-looking weight: Gaussian bulk (std 0.02) with heavy-tailed
     outlier columns, as in LLM projection matrices."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=gen) * 0.02
-    outlier_cols = torch.randint(0, cols, (cols // 64,), generator=gen)
+    torch.manual_seed(seed)  # torch.distributions samples from the global generator
+    w = torch.randn(rows, cols) * 0.02
+    outlier_cols = torch.randint(0, cols, (cols // 64,))
     w[:, outlier_cols] *= torch.distributions.StudentT(torch.tensor(3.0)).sample((1, outlier_cols.numel())).abs() + 1
     return w.to(torch.bfloat16)
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4096, help="output features (DeepSeek-V4-Flash gate+up: 2 x 2048)")
     parser.add_argument("--cols", type=int, default=4096, help="input features (hidden size 4096)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=4, help="tokens for the Linear-layer run")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -65,7 +67,36 @@ def main(argv: list[str] | None = None) -> int:
               f"(bytes read + written; `python -m lowbit.bench quant` compares with the measured HBM bandwidth)")
     else:
         print("  (no GPU: CPU reference kernels; run on a CUDA GPU for the speed report)")
+
+    linear_demo(w, args.batch, device)
     return 0
+
+
+def linear_demo(w: torch.Tensor, batch: int, device: torch.device) -> None:
+    """The same weight as an nn.Linear, swapped for lowbit.nn.Nvfp4Linear."""
+    from lowbit.nn import Nvfp4Linear
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dense = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(w)
+    layer = Nvfp4Linear.from_linear(dense)
+    x = torch.randn(batch, w.shape[1], device=device, dtype=dtype)
+    with torch.no_grad():
+        y = layer(x).double()
+        y_dense = dense(x).double()
+    cos = torch.nn.functional.cosine_similarity(y.flatten(), y_dense.flatten(), dim=0)
+    rel = (y - y_dense).norm() / y_dense.norm()
+    print(f"{layer}")
+    print(f"  batch {batch}: output vs the unquantized layer: cosine {cos.item():.5f}, relative difference {rel.item():.4f}")
+    if device.type == "cuda":
+        from lowbit.bench.harness import time_calls
+
+        with torch.no_grad():
+            t_fp4 = time_calls(lambda i: layer(x), 1)
+            t_bf16 = time_calls(lambda i: dense(x), 1)
+        print(f"  {t_fp4 * 1e6:.1f} us vs cuBLAS BF16 {t_bf16 * 1e6:.1f} us ({t_bf16 / t_fp4:.2f}x; warm L2, "
+              f"see `python -m lowbit.bench linear` for cold-L2 numbers on model shapes)")
 
 
 if __name__ == "__main__":
