@@ -229,12 +229,25 @@ __device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, i
 #pragma unroll
   for (int j = 0; j < EPT; ++j) {
     const int e = lane + 32 * j;
-    x[j] = 0.f;
-    if (e < p.experts) {
-      x[j] = load_logit<T>(row + e);
-      for (int32_t sp = 1; sp < splits; ++sp) x[j] += load_logit<T>(row + sp * split_stride + e);  // split order
-    }
+    x[j] = e < p.experts ? load_logit<T>(row + e) : 0.f;
     bias_v[j] = bias && e < p.experts ? __ldg(bias + e) : 0.f;
+  }
+  // Split-K partial logits (dense_router): added in split order, the loads
+  // of kBatch splits issued together so they cost one memory round trip.
+  constexpr int kBatch = EPT <= 8 ? 8 : 4;
+  for (int32_t sp = 1; sp < splits; sp += kBatch) {
+    float v[kBatch][EPT];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int e = lane + 32 * j;
+        v[u][j] = sp + u < splits && e < p.experts ? load_logit<T>(row + (sp + u) * split_stride + e) : 0.f;
+      }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) x[j] += v[u][j];
   }
   if (p.score_func == ScoreFunc::kSoftmax) {
     float mx = neg_inf();
@@ -529,11 +542,12 @@ __global__ void __launch_bounds__(kGateWarps * 32)
 }  // namespace
 
 int32_t dense_gate_splits(int64_t experts, int64_t hidden_size) {
-  // Two CTAs per SM over (expert tiles x splits), at least one 64-column
-  // chunk per warp in every split.
+  // About one CTA per SM over (expert tiles x splits), at least one 64-column
+  // chunk per warp in every split; fewer splits keep the routing kernel's
+  // partial-sum loads to one or two round trips.
   const int64_t tiles = experts / 16;
   const int64_t chunks = hidden_size / kGateChunk;
-  int64_t splits = cuda::ceil_div(2 * int64_t(cuda::num_sms()), tiles > 0 ? tiles : 1);
+  int64_t splits = cuda::ceil_div(int64_t(cuda::num_sms()), tiles > 0 ? tiles : 1);
   const int64_t max_splits = chunks / kGateWarps > 0 ? chunks / kGateWarps : 1;
   if (splits > max_splits) splits = max_splits;
   const int64_t per = cuda::ceil_div(chunks, splits);
