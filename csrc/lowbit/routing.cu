@@ -219,8 +219,7 @@ __device__ __forceinline__ void select_and_write(Scores& r, const Params& p, flo
 // lowest expert index holding it. Group scores are computed by lane g over
 // group g from a per-warp shared copy of the biased scores.
 template <int EPT, typename T>
-__device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, int64_t split_stride,
-                                                 const float* bias, const Params& p, float* group_smem,
+__device__ __forceinline__ void route_token_fast(const T* row, const float* bias, const Params& p, float* group_smem,
                                                  float* weights, int32_t* ids) {
   const int lane = threadIdx.x & 31;
   float x[EPT], s[EPT], bias_v[EPT];
@@ -231,23 +230,6 @@ __device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, i
     const int e = lane + 32 * j;
     x[j] = e < p.experts ? load_logit<T>(row + e) : 0.f;
     bias_v[j] = bias && e < p.experts ? __ldg(bias + e) : 0.f;
-  }
-  // Split-K partial logits (dense_router): added in split order, the loads
-  // of kBatch splits issued together so they cost one memory round trip.
-  constexpr int kBatch = EPT <= 8 ? 8 : 4;
-  for (int32_t sp = 1; sp < splits; sp += kBatch) {
-    float v[kBatch][EPT];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-      for (int j = 0; j < EPT; ++j) {
-        const int e = lane + 32 * j;
-        v[u][j] = sp + u < splits && e < p.experts ? load_logit<T>(row + (sp + u) * split_stride + e) : 0.f;
-      }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-      for (int j = 0; j < EPT; ++j) x[j] += v[u][j];
   }
   if (p.score_func == ScoreFunc::kSoftmax) {
     float mx = neg_inf();
@@ -345,13 +327,13 @@ __device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, i
 
 template <int EPT, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    route_fast_kernel(const T* __restrict__ logits, int32_t splits, const float* __restrict__ bias, int64_t tokens,
-                      Params p, float* __restrict__ weights, int32_t* __restrict__ ids) {
+    route_fast_kernel(const T* __restrict__ logits, const float* __restrict__ bias, int64_t tokens, Params p,
+                      float* __restrict__ weights, int32_t* __restrict__ ids) {
   const int64_t m = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   __shared__ float group_smem[kWarpsPerBlock][kFastMaxExperts];
   if (m >= tokens) return;
-  route_token_fast<EPT, T>(logits + m * p.experts, splits, tokens * p.experts, bias, p, group_smem[threadIdx.x >> 5],
-                           weights + m * p.topk, ids + m * p.topk);
+  route_token_fast<EPT, T>(logits + m * p.experts, bias, p, group_smem[threadIdx.x >> 5], weights + m * p.topk,
+                                  ids + m * p.topk);
 }
 
 template <typename T>
@@ -372,12 +354,11 @@ cudaError_t route_typed(const RouteArgs& a, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(cuda::ceil_div(a.tokens, kWarpsPerBlock));
   const int threads = kWarpsPerBlock * 32;
   if (route_workspace_floats(a) > 0) {
-    if (a.logit_splits != 1) return cudaErrorInvalidValue;  // split logits: fast path only
     route_general_kernel<T><<<grid, threads, 0, stream>>>(logits, a.bias, a.tokens, p, a.workspace, a.weights, a.ids);
     return cudaGetLastError();
   }
 #define LOWBIT_ROUTE_FAST(EPT) \
-  route_fast_kernel<EPT, T><<<grid, threads, 0, stream>>>(logits, a.logit_splits, a.bias, a.tokens, p, a.weights, a.ids)
+  route_fast_kernel<EPT, T><<<grid, threads, 0, stream>>>(logits, a.bias, a.tokens, p, a.weights, a.ids)
   if (a.experts <= 32)
     LOWBIT_ROUTE_FAST(1);
   else if (a.experts <= 64)
@@ -455,130 +436,10 @@ cudaError_t hash_typed(const HashRouteArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-
-// ---- dense_router gate GEMM (small M) -------------------------------------------
-//
-// mma.m16n8k16 with 16 experts as the 16-row operand and 8 tokens as the
-// 8-wide one. Each warp step covers 64 columns: lane (g, t) loads 32
-// contiguous bytes (columns 16 t .. 16 t + 15) of expert rows g and g + 8 and
-// of token row g, and uses columns 4 j .. 4 j + 3 of them as the fragment of
-// k-step j, i.e. K is permuted the same way for both operands inside each
-// 64-column chunk, which leaves the dot products unchanged and makes every
-// load a coalesced 16-byte one. grid: (E / 16, splits); the CTA's 4 warps
-// take the split's chunks in turn and their sums are added in warp order.
-
-constexpr int kGateWarps = 4;
-constexpr int kGateChunk = 64;
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <int MT>
-__global__ void __launch_bounds__(kGateWarps * 32)
-    dense_gate_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, int64_t tokens,
-                      int64_t experts, int64_t hidden, int64_t cols_per_split, float* __restrict__ partial) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int64_t e0 = int64_t(blockIdx.x) * 16;
-  const int64_t k_begin = int64_t(blockIdx.y) * cols_per_split;
-  const int64_t k_end = min(hidden, k_begin + cols_per_split);
-  const __nv_bfloat16* w_lo = w + (e0 + g) * hidden + 16 * t;
-  const __nv_bfloat16* w_hi = w + (e0 + g + 8) * hidden + 16 * t;
-  const __nv_bfloat16* xrow[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xrow[mt] = x + min(int64_t(mt * 8 + g), tokens - 1) * hidden + 16 * t;  // rows past M: never stored
-
-  float acc[MT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-
-  for (int64_t c = k_begin + warp * kGateChunk; c < k_end; c += kGateWarps * kGateChunk) {
-    uint4 lo[2], hi[2], xv[MT][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      lo[h] = __ldg(reinterpret_cast<const uint4*>(w_lo + c) + h);
-      hi[h] = __ldg(reinterpret_cast<const uint4*>(w_hi + c) + h);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) xv[mt][h] = __ldg(reinterpret_cast<const uint4*>(xrow[mt] + c) + h);
-    }
-    const uint32_t* wl = reinterpret_cast<const uint32_t*>(lo);
-    const uint32_t* wh = reinterpret_cast<const uint32_t*>(hi);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv[mt]);
-        mma_bf16(acc[mt], wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
-      }
-    }
-  }
-
-  __shared__ float sums[kGateWarps][MT][4][32];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sums[warp][mt][i][lane] = acc[mt][i];
-  __syncthreads();
-  // c0, c1: expert g, tokens 2t, 2t+1; c2, c3: expert g + 8, same tokens.
-  for (int o = threadIdx.x; o < MT * 8 * 16; o += kGateWarps * 32) {
-    const int er = o % 16, mc = o / 16;  // expert row in the tile, token in the CTA
-    const int mt = mc / 8, col = mc % 8;
-    const int src = (er % 8) * 4 + col / 2, reg = (er / 8) * 2 + (col % 2);
-    if (mc >= tokens) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < kGateWarps; ++wi) v += sums[wi][mt][reg][src];
-    partial[(int64_t(blockIdx.y) * tokens + mc) * experts + e0 + er] = v;
-  }
-}
-
 }  // namespace
-
-int32_t dense_gate_splits(int64_t experts, int64_t hidden_size) {
-  // About one CTA per SM over (expert tiles x splits), at least one 64-column
-  // chunk per warp in every split; fewer splits keep the routing kernel's
-  // partial-sum loads to one or two round trips.
-  const int64_t tiles = experts / 16;
-  const int64_t chunks = hidden_size / kGateChunk;
-  int64_t splits = cuda::ceil_div(int64_t(cuda::num_sms()), tiles > 0 ? tiles : 1);
-  const int64_t max_splits = chunks / kGateWarps > 0 ? chunks / kGateWarps : 1;
-  if (splits > max_splits) splits = max_splits;
-  const int64_t per = cuda::ceil_div(chunks, splits);
-  return static_cast<int32_t>(cuda::ceil_div(chunks, per));  // no empty split
-}
-
-cudaError_t dense_gate_cuda(const DenseGateArgs& a, cudaStream_t stream) {
-  if (a.tokens == 0 || a.experts == 0) return cudaSuccess;
-  if (!dense_gate_supported(a.tokens, a.experts, a.hidden_size)) return cudaErrorInvalidValue;
-  const int64_t chunks = a.hidden_size / kGateChunk;
-  const int64_t cols = cuda::ceil_div(chunks, a.splits) * kGateChunk;
-  const dim3 grid(static_cast<unsigned>(a.experts / 16), static_cast<unsigned>(a.splits));
-  const auto* x = static_cast<const __nv_bfloat16*>(a.hidden);
-  const auto* w = static_cast<const __nv_bfloat16*>(a.weight);
-#define LOWBIT_DENSE_GATE(MT) \
-  dense_gate_kernel<MT><<<grid, kGateWarps * 32, 0, stream>>>(x, w, a.tokens, a.experts, a.hidden_size, cols, a.partial)
-  if (a.tokens <= 8)
-    LOWBIT_DENSE_GATE(1);
-  else if (a.tokens <= 16)
-    LOWBIT_DENSE_GATE(2);
-  else if (a.tokens <= 32)
-    LOWBIT_DENSE_GATE(4);
-  else
-    LOWBIT_DENSE_GATE(8);
-#undef LOWBIT_DENSE_GATE
-  return cudaGetLastError();
-}
 
 cudaError_t route_cuda(const RouteArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return cudaSuccess;
-  if (a.logit_splits != 1 && a.logits_dtype != DType::kFloat32) return cudaErrorInvalidValue;
   return a.logits_dtype == DType::kBFloat16 ? route_typed<__nv_bfloat16>(a, stream) : route_typed<float>(a, stream);
 }
 

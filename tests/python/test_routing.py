@@ -403,8 +403,7 @@ def test_cuda_route_many_exact_ties(score_func):
 @pytest.mark.parametrize("M", [1, 3, 4, 16, 64, 65, 300])
 @pytest.mark.parametrize("E,k,score_func,n_group,topk_group,H",
                          [(256, 6, "sqrtsoftplus", 1, 1, 512), (384, 6, "sqrtsoftplus", 1, 1, 7168),
-                          (256, 8, "sigmoid", 8, 4, 1032), (256, 8, "sigmoid", 8, 4, 1024),
-                          (1024, 8, "sigmoid", 1, 1, 256)])
+                          (256, 8, "sigmoid", 8, 4, 1032), (1024, 8, "sigmoid", 1, 1, 256)])
 def test_cuda_dense_router_exact_inputs(M, E, k, score_func, n_group, topk_group, H):
     gen = torch.Generator().manual_seed(M * 7 + E)
     hidden, weight = exact_dense_inputs(M, H, E, gen)
@@ -431,28 +430,6 @@ def test_cuda_dense_router_random_matches_fp32_logits(M):
     agree = (ids.cpu().long() == want_ids).all(-1).float().mean().item()
     assert agree > 0.99
     torch.testing.assert_close(w.cpu().double(), want_w, rtol=1e-4, atol=1e-6)
-
-
-@cuda
-@pytest.mark.parametrize("M", [1, 16, 64])
-def test_cuda_dense_router_small_m_path_is_deterministic_and_matches_cublas_path(M):
-    # M <= 64 with bf16, E % 16 == 0, H % 64 == 0 takes lowbit's split-K gate
-    # GEMM; a misaligned copy of the same hidden states takes cuBLAS.
-    gen = torch.Generator().manual_seed(100 + M)
-    hidden = torch.randn(M, 7168, generator=gen).bfloat16().cuda()
-    weight = (torch.randn(384, 7168, generator=gen) * 0.02).bfloat16().cuda()
-    first = lowbit.dense_router(hidden, weight, None, 6)
-    for _ in range(3):
-        again = lowbit.dense_router(hidden, weight, None, 6)
-        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
-    storage = torch.empty(M * 7168 + 1, dtype=torch.bfloat16, device="cuda")
-    misaligned = storage[1:].view(M, 7168)
-    misaligned.copy_(hidden)
-    other = lowbit.dense_router(misaligned, weight, None, 6)
-    agree = (other[1] == first[1]).all(-1).float().mean().item()
-    assert agree > 0.95  # float32 sums in another order: only near-ties may swap
-    same = (other[1] == first[1]).all(-1)
-    torch.testing.assert_close(other[0][same], first[0][same], rtol=1e-5, atol=1e-7)
 
 
 @cuda
