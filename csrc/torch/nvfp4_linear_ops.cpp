@@ -43,6 +43,18 @@ std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weigh
           at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, opts)};
 }
 
+nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                      std::tuple<at::Tensor, at::Tensor>& out) {
+  nvfp4::gemm::PrepackArgs a{};
+  a.codes = weight.data_ptr<uint8_t>();
+  a.block_scale = reinterpret_cast<const uint8_t*>(weight_scale.data_ptr());
+  a.n = weight.size(0);
+  a.k = weight.size(1) * 2;
+  a.weight = std::get<0>(out).data_ptr<uint8_t>();
+  a.scale = std::get<1>(out).data_ptr<uint8_t>();
+  return a;
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                   const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda) {
   if (cuda) {
@@ -93,14 +105,7 @@ std::tuple<at::Tensor, at::Tensor> prepack_cpu(const at::Tensor& weight, const a
   auto w = weight.contiguous();
   auto s = weight_scale.contiguous();
   auto out = empty_prepack_outputs(w);
-  nvfp4::gemm::PrepackArgs a{};
-  a.codes = w.data_ptr<uint8_t>();
-  a.block_scale = reinterpret_cast<const uint8_t*>(s.data_ptr());
-  a.n = w.size(0);
-  a.k = w.size(1) * 2;
-  a.weight = std::get<0>(out).data_ptr<uint8_t>();
-  a.scale = std::get<1>(out).data_ptr<uint8_t>();
-  nvfp4::gemm::prepack_cpu(a);
+  nvfp4::gemm::prepack_cpu(prepack_args(w, s, out));
   return out;
 }
 

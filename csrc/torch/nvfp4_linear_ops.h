@@ -6,12 +6,17 @@
 
 #include <tuple>
 
+#include "lowbit/nvfp4_gemm.h"
+
 namespace lowbit::ops {
 
 // Checks the checkpoint-layout weight [N, K/2] uint8 and its E4M3 (or uint8
 // code) block scales [N, K/16]; N and K multiples of 16.
 void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale);
 std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weight);
+// Core arguments for contiguous weight / scales and the prepack outputs.
+nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                      std::tuple<at::Tensor, at::Tensor>& out);
 
 // Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
 // [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32

@@ -31,14 +31,7 @@ std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const 
   auto w = weight.contiguous();
   auto s = weight_scale.contiguous();
   auto out = empty_prepack_outputs(w);
-  gemm::PrepackArgs a{};
-  a.codes = w.data_ptr<uint8_t>();
-  a.block_scale = reinterpret_cast<const uint8_t*>(s.data_ptr());
-  a.n = w.size(0);
-  a.k = w.size(1) * 2;
-  a.weight = std::get<0>(out).data_ptr<uint8_t>();
-  a.scale = std::get<1>(out).data_ptr<uint8_t>();
-  C10_CUDA_CHECK(gemm::prepack_cuda(a, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(gemm::prepack_cuda(prepack_args(w, s, out), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
