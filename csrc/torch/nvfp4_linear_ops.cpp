@@ -55,6 +55,19 @@ nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor
   return a;
 }
 
+nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                    const at::Tensor& weight_global, at::Tensor& out) {
+  nvfp4::gemm::UnpackArgs a{};
+  a.weight = weight.data_ptr<uint8_t>();
+  a.scale = weight_scale.data_ptr<uint8_t>();
+  a.global_scale = weight_global.data_ptr<float>();
+  a.n = out.size(0);
+  a.k = out.size(1);
+  a.out = out.data_ptr();
+  a.out_dtype = to_lowbit_dtype(out.scalar_type());
+  return a;
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                   const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda) {
   if (cuda) {
@@ -122,15 +135,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::T
   auto s = weight_scale.contiguous();
   auto g = weight_global.contiguous();
   at::Tensor dequant = at::empty({n, k}, x.options().dtype(at::kFloat));
-  nvfp4::gemm::UnpackArgs a{};
-  a.weight = w.data_ptr<uint8_t>();
-  a.scale = s.data_ptr<uint8_t>();
-  a.global_scale = g.data_ptr<float>();
-  a.n = n;
-  a.k = k;
-  a.out = dequant.data_ptr();
-  a.out_dtype = DType::kFloat32;
-  nvfp4::gemm::unpack_cpu(a);
+  nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, dequant));
   at::Tensor y = at::matmul(x.to(at::kFloat), dequant.t());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());

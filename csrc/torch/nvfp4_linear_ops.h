@@ -17,6 +17,10 @@ std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weigh
 // Core arguments for contiguous weight / scales and the prepack outputs.
 nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
                                       std::tuple<at::Tensor, at::Tensor>& out);
+// Core arguments to unpack a contiguous prepacked weight into `out` [N, K]
+// (its dtype: float32, bf16 or fp16), global scale included.
+nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                    const at::Tensor& weight_global, at::Tensor& out);
 
 // Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
 // [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32

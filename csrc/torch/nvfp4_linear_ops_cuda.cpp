@@ -52,15 +52,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
   if (m > gemm::kFusedMaxM) {
     at::Tensor dequant = at::empty({n, k}, x.options());
-    gemm::UnpackArgs a{};
-    a.weight = w.data_ptr<uint8_t>();
-    a.scale = s.data_ptr<uint8_t>();
-    a.global_scale = g.data_ptr<float>();
-    a.n = n;
-    a.k = k;
-    a.out = dequant.data_ptr();
-    a.out_dtype = to_lowbit_dtype(x.scalar_type());
-    C10_CUDA_CHECK(gemm::unpack_cuda(a, stream));
+    C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, dequant), stream));
     return at::linear(x2, dequant, bias).view(out_shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
