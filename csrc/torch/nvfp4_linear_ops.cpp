@@ -16,10 +16,6 @@ namespace {
 constexpr const char* kPrepack = "nvfp4_prepack";
 constexpr const char* kLinear = "nvfp4_linear";
 
-c10::SymInt padded_k_sym(const c10::SymInt& k) {
-  return (k + (nvfp4::gemm::kTileK - 1)) / nvfp4::gemm::kTileK * nvfp4::gemm::kTileK;
-}
-
 }  // namespace
 
 void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale) {

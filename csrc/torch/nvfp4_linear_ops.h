@@ -7,8 +7,14 @@
 #include <tuple>
 
 #include "lowbit/nvfp4_gemm.h"
+#include "lowbit/nvfp4_gemm_layout.h"
 
 namespace lowbit::ops {
+
+// K rounded up to the prepacked layout's 128-column tiles (symbolic sizes).
+inline c10::SymInt padded_k_sym(const c10::SymInt& k) {
+  return (k + (nvfp4::gemm::kTileK - 1)) / nvfp4::gemm::kTileK * nvfp4::gemm::kTileK;
+}
 
 // Checks the checkpoint-layout weight [N, K/2] uint8 and its E4M3 (or uint8
 // code) block scales [N, K/16]; N and K multiples of 16.

@@ -60,4 +60,17 @@ TORCH_LIBRARY(lowbit, m) {
   // dtype, y = x W^T * weight_global (+ bias [N], x's dtype).
   m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
   m.def("nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None) -> Tensor");
+
+  // NVFP4 MoE experts, W4A16 (nvfp4_moe_ops.cpp; kernels in
+  // csrc/lowbit/nvfp4_moe.cu). nvfp4_moe_prepack converts stacked checkpoint
+  // experts (w13 uint8 [E, 2I, H/2] gate rows then up rows, w2 uint8
+  // [E, H, I/2], E4M3 block scales [..., K/16]) once, at load time, to the
+  // Linear's prepacked layout per expert with W13's gate / up rows
+  // interleaved (same layout on every device). nvfp4_moe: x [M, H] ->
+  // [M, H] in x's dtype, out[t] = sum_j topk_weights[t, j] *
+  // W2_e(silu(min(g, L)) * clamp(u, -L, L)), [g; u] = W13_e x[t],
+  // e = topk_ids[t, j], globals float32 [E]; no clamp when swiglu_limit is
+  // None. Ids outside [0, E) raise on CPU; on CUDA that slot adds nothing.
+  m.def("nvfp4_moe_prepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("nvfp4_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None) -> Tensor");
 }

@@ -1,0 +1,217 @@
+// Device building blocks of the NVFP4 W4A16 GEMMs (the Linear in
+// nvfp4_gemm.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
+// the mma.m16n8k16 wrappers, the per-warp main loop over 128-column tiles of
+// the prepacked layout (nvfp4_gemm_layout.h) and the fixed-order sum of the
+// warps' partial fragments.
+//
+// CTA shape shared by both GEMMs: kWarps warps per 16-row tile of W; the
+// warps take the tile's 128-column k-tiles in turn (warp w: w, w + kWarps,
+// ...), each holding FP32 accumulators for 16 W rows x 8 MT rows of x.
+// Each warp decodes its A fragments (rotate + mask puts each FP4 code into a
+// bf16/fp16 whose value is e2m1 * 2^-126 / 2^-14, one packed multiply by the
+// re-encoded block scale makes it e2m1 * scale * 2^-8 exactly) and issues
+// mma.m16n8k16 with the weights as the 16-row operand and x as the 8-wide
+// one ("swap AB").
+#pragma once
+
+#include "lowbit/cuda_utils.cuh"
+#include "lowbit/nvfp4_gemm_layout.h"
+
+namespace lowbit::nvfp4::gemm::mma {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+__device__ __forceinline__ uint32_t rotl(uint32_t x, int r) { return __funnelshift_l(x, x, r); }
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+  // Codes as bf16 e2m1 * 2^-126 (bf16 subnormal for 0.5).
+  __device__ __forceinline__ static void decode(uint32_t w, uint32_t (&r)[4]) {
+    constexpr uint32_t kS = 0x80008000u, kM = 0x01c001c0u;
+    r[0] = w & (kS | kM);
+    r[1] = rotl(w, 3) & (kS | kM);
+    r[2] = (rotl(w, 6) & kM) | (rotl(w, 1) & kS);
+    r[3] = (rotl(w, 13) & kM) | (rotl(w, 2) & kS);
+  }
+  // scale * 2^118 in both halves, from the byte picked by sel.
+  __device__ __forceinline__ static uint32_t multiplier(uint32_t word, uint32_t sel) {
+    return (prmt(word, sel) & 0x0ff00ff0u) | 0x70007000u;
+  }
+  __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Mma<__half> {
+  // Codes as fp16 e2m1 * 2^-14: the bf16 pattern with the magnitude moved up 3.
+  __device__ __forceinline__ static void decode(uint32_t w, uint32_t (&r)[4]) {
+    Mma<__nv_bfloat16>::decode(w, r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = (r[i] & 0x80008000u) | ((r[i] << 3) & 0x0e000e00u);
+  }
+  // scale * 2^6 in both halves.
+  __device__ __forceinline__ static uint32_t multiplier(uint32_t word, uint32_t sel) {
+    return (prmt(word, sel) & 0x0ff00ff0u) << 3;
+  }
+  __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// One 128-column tile's operands held by a lane.
+template <int MT>
+struct Stage {
+  uint4 w[2];      // k-tiles 0..3, 4..7
+  uint4 s;         // scales of rows g, g+8
+  uint2 x[MT][8];  // activations of row (m-tile, g), 4 values per k-tile
+};
+
+// xrow[mt]: this lane's activation row (m-tile mt, row g; rows past the
+// problem's end point at a valid row whose results the epilogue never
+// stores) at column 4 t, computed once per kernel, so a full tile's 8
+// activation loads need no address arithmetic or predicates. Only a partial
+// last tile (K not a multiple of 128) checks columns.
+template <typename T, int MT>
+__device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restrict__ wtile,
+                                           const uint4* __restrict__ stile, const T* const (&xrow)[MT],
+                                           int64_t k, int64_t col0, int lane) {
+  st.w[0] = __ldg(wtile + lane);
+  st.w[1] = __ldg(wtile + 32 + lane);
+  st.s = __ldg(stile + lane / 4);
+  if (col0 + kTileK <= k) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt) st.x[mt][kt] = __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16));
+  } else {
+    const int t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt)
+        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k ? __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16))
+                                                  : make_uint2(0, 0);
+  }
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[MT][4]) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(st.w);
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(&st.s);
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t a[4];
+    Mma<T>::decode(w[kt], a);
+    const uint32_t sw = s[kt / 2];
+    const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);  // row g
+    const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);  // row g+8
+    a[0] = Mma<T>::mul(a[0], mult_lo);
+    a[1] = Mma<T>::mul(a[1], mult_hi);
+    a[2] = Mma<T>::mul(a[2], mult_lo);
+    a[3] = Mma<T>::mul(a[3], mult_hi);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      Mma<T>::mma(acc[mt], a, st.x[mt][kt].x, st.x[mt][kt].y);
+    }
+  }
+}
+
+// Register stages in flight per warp: three (two tiles loading while one is
+// decoded) for one m-tile; two for more, where three would cost occupancy
+// (177 registers at MT = 2, measured slower at M = 16).
+template <int MT> constexpr int kStages = MT == 1 ? 3 : 2;
+// CTAs per SM the kernels are compiled for (register budget).
+template <int MT> constexpr int kMinBlocks = MT <= 2 ? 2 : 1;
+
+// One warp's share of a 16-row W tile: k-tiles kc_begin + warp, + kWarps, ...
+// below kc_end, accumulated into acc (16 W rows x 8 MT x rows, mma C layout).
+// wtiles / stiles point at the tile row's first k-tile.
+template <typename T, int MT>
+__device__ __forceinline__ void warp_mainloop(float (&acc)[MT][4], const uint4* __restrict__ wtiles,
+                                              const uint4* __restrict__ stiles, const T* const (&xrow)[MT],
+                                              int64_t k, int64_t kc_begin, int64_t kc_end, int warp, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+  auto load = [&](Stage<MT>& st, int64_t kc) {
+    if (kc < kc_end)
+      load_stage<T, MT>(st, wtiles + kc * (kTileBytes / 16), stiles + kc * (kTileScaleBytes / 16), xrow, k,
+                        kc * kTileK, lane);
+  };
+  const int64_t kc0 = kc_begin + warp;
+  if constexpr (kStages<MT> == 3) {
+    Stage<MT> s0, s1, s2;
+    load(s0, kc0);
+    load(s1, kc0 + kWarps);
+    for (int64_t kc = kc0; kc < kc_end; kc += 3 * kWarps) {
+      load(s2, kc + 2 * kWarps);
+      compute_stage<T, MT>(s0, acc);
+      if (kc + kWarps >= kc_end) break;
+      load(s0, kc + 3 * kWarps);
+      compute_stage<T, MT>(s1, acc);
+      if (kc + 2 * kWarps >= kc_end) break;
+      load(s1, kc + 4 * kWarps);
+      compute_stage<T, MT>(s2, acc);
+    }
+  } else {
+    Stage<MT> cur, nxt;
+    load(cur, kc0);
+    for (int64_t kc = kc0; kc < kc_end; kc += kWarps) {
+      load(nxt, kc + kWarps);
+      compute_stage<T, MT>(cur, acc);
+      cur = nxt;
+    }
+  }
+}
+
+// The warps' fragments, summed in a fixed order (deterministic).
+template <int MT>
+struct CtaPartials {
+  float v[kWarps][MT][4][32];
+
+  // Every warp stores its fragments; the caller synchronizes before sum().
+  __device__ __forceinline__ void store(const float (&acc)[MT][4], int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[warp][mt][i][lane] = acc[mt][i];
+  }
+  // Sum over warps at W row r (0..15) and x row mc (0 .. 8 MT - 1) of the CTA.
+  __device__ __forceinline__ float sum(int r, int mc) const {
+    const int mt = mc / 8, col = mc % 8;
+    const int src_lane = (r % 8) * 4 + col / 2, reg = (r / 8) * 2 + (col % 2);
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += v[w][mt][reg][src_lane];
+    return s;
+  }
+};
+
+}  // namespace lowbit::nvfp4::gemm::mma

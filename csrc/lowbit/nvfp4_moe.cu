@@ -1,0 +1,299 @@
+// CUDA kernels of the NVFP4 MoE (nvfp4_moe.h). Four launches, grids sized
+// from upper bounds known on the host (no host synchronization, so a CUDA
+// graph captures them):
+//   1. align (one CTA): counts the (token, slot) pairs per expert, gives each
+//      pair a row in expert-sorted order and cuts each expert's rows into
+//      work items of at most 8 MT rows (expert, first row, rows).
+//   2. up: per (work item, 16-row tile of W13) one CTA of the decode + mma
+//      main loop (nvfp4_mma.cuh) over K = H, with x's rows gathered through
+//      the sorted order; the epilogue applies the global scale and the
+//      clamped SwiGLU (gate and up of one column are rows r and r + 8 of the
+//      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
+//   3. down: the same over K = I with h's rows, writing each pair's expert
+//      output (x's dtype) in sorted order.
+//   4. combine: one CTA per token adds its k expert outputs times their
+//      weights in FP32, in slot order, and rounds once.
+// Only experts that received tokens have work items, so only their weights
+// are read. A pair's row position depends on the order of shared-memory
+// atomics, but every row is computed independently of its position (the
+// mma's rows do not interact and every sum runs in a fixed order), so the
+// output is bitwise reproducible.
+#include "lowbit/cuda_utils.cuh"
+#include "lowbit/nvfp4_gemm_layout.h"
+#include "lowbit/nvfp4_mma.cuh"
+#include "lowbit/nvfp4_moe.h"
+
+namespace lowbit::nvfp4::moe {
+namespace {
+
+using gemm::kDecodeUnscale;
+using gemm::kTileBytes;
+using gemm::kTileK;
+using gemm::kTileScaleBytes;
+using gemm::padded_k;
+using gemm::mma::kThreads;
+
+constexpr int kAlignThreads = 1024;
+
+// Work item: expert, first sorted row, number of rows (<= 8 MT).
+struct Item {
+  int32_t expert, row, rows, pad;
+};
+
+__global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t* __restrict__ ids, int64_t slots,
+                                                                  int64_t k, int experts, int chunk,
+                                                                  int32_t* __restrict__ slot_pos,
+                                                                  int32_t* __restrict__ sorted_token,
+                                                                  Item* __restrict__ items,
+                                                                  int32_t* __restrict__ num_items) {
+  extern __shared__ int32_t count[];  // [experts]: rows per expert, then each expert's first row
+  __shared__ int32_t warp_rows[kAlignThreads / 32], warp_items[kAlignThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int e = tid; e < experts; e += kAlignThreads) count[e] = 0;
+  __syncthreads();
+  // Rank of each pair within its expert (ids outside [0, E) are dropped).
+  for (int64_t i = tid; i < slots; i += kAlignThreads) {
+    const int32_t e = ids[i];
+    slot_pos[i] = (e >= 0 && e < experts) ? atomicAdd(&count[e], 1) : -1;
+  }
+  __syncthreads();
+
+  // Exclusive scans of rows and work items over experts; each thread owns a
+  // contiguous range of experts.
+  const int per = (experts + kAlignThreads - 1) / kAlignThreads;
+  const int e0 = min(experts, tid * per), e1 = min(experts, e0 + per);
+  int rows = 0, work = 0;
+  for (int e = e0; e < e1; ++e) {
+    rows += count[e];
+    work += (count[e] + chunk - 1) / chunk;
+  }
+  int rows_incl = rows, work_incl = work;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, rows_incl, o), w = __shfl_up_sync(0xffffffffu, work_incl, o);
+    if (lane >= o) {
+      rows_incl += r;
+      work_incl += w;
+    }
+  }
+  if (lane == 31) {
+    warp_rows[warp] = rows_incl;
+    warp_items[warp] = work_incl;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int r = warp_rows[lane], w = warp_items[lane];
+    int r_incl = r, w_incl = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int rr = __shfl_up_sync(0xffffffffu, r_incl, o), ww = __shfl_up_sync(0xffffffffu, w_incl, o);
+      if (lane >= o) {
+        r_incl += rr;
+        w_incl += ww;
+      }
+    }
+    warp_rows[lane] = r_incl - r;
+    warp_items[lane] = w_incl - w;
+    if (lane == 31) *num_items = w_incl;
+  }
+  __syncthreads();
+  int row = warp_rows[warp] + rows_incl - rows, item = warp_items[warp] + work_incl - work;
+  for (int e = e0; e < e1; ++e) {
+    const int c = count[e];
+    for (int s = 0; s < c; s += chunk) items[item++] = Item{e, row + s, min(chunk, c - s), 0};
+    count[e] = row;
+    row += c;
+  }
+  __syncthreads();
+  // Same i -> thread mapping as the ranking loop: each thread reads back its own writes.
+  for (int64_t i = tid; i < slots; i += kAlignThreads) {
+    const int32_t rank = slot_pos[i];
+    if (rank < 0) continue;
+    const int32_t pos = count[ids[i]] + rank;
+    slot_pos[i] = pos;
+    sorted_token[pos] = static_cast<int32_t>(i / k);
+  }
+}
+
+// Up projection + SwiGLU. grid: (work items upper bound, 2I / 16).
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_up_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
+    const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
+    const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
+  const Item it = items[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nt = blockIdx.y;  // intermediate columns 8 nt .. 8 nt + 7
+  const int64_t tiles_k = padded_k(h) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * (2 * inter / 16) + nt;
+  const uint4* wbase = reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16);
+  const uint4* sbase = reinterpret_cast<const uint4*>(s13) + tile_row * tiles_k * (kTileScaleBytes / 16);
+  const T* xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
+    xrow[mt] = x + int64_t(sorted_token[it.row + r]) * h + (lane % 4) * 4;
+  }
+  float acc[MT][4];
+  gemm::mma::warp_mainloop<T, MT>(acc, wbase, sbase, xrow, h, 0, tiles_k, warp, lane);
+
+  __shared__ gemm::mma::CtaPartials<MT> partial;
+  partial.store(acc, warp, lane);
+  __syncthreads();
+  const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
+  for (int e = threadIdx.x; e < 8 * 8 * MT; e += kThreads) {
+    const int c = e % 8, mc = e / 8;
+    if (mc >= it.rows) continue;
+    float gate = partial.sum(c, mc) * gs, up = partial.sum(c + 8, mc) * gs;
+    if (has_limit) {  // comparisons keep NaN, as torch.clamp does
+      gate = gate > limit ? limit : gate;
+      up = up > limit ? limit : (up < -limit ? -limit : up);
+    }
+    const float hv = gate / (1.f + expf(-gate)) * up;
+    act[int64_t(it.row + mc) * inter + nt * 8 + c] = cuda::from_float<T>(hv);
+  }
+}
+
+// Down projection. grid: (work items upper bound, H / 16).
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_down_kernel(
+    const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
+    const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
+    T* __restrict__ expert_out, int64_t h, int64_t inter) {
+  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
+  const Item it = items[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nt = blockIdx.y;
+  const int64_t tiles_k = padded_k(inter) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * (h / 16) + nt;
+  const uint4* wbase = reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16);
+  const uint4* sbase = reinterpret_cast<const uint4*>(s2) + tile_row * tiles_k * (kTileScaleBytes / 16);
+  const T* xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = min(mt * 8 + lane / 4, it.rows - 1);
+    xrow[mt] = act + int64_t(it.row + r) * inter + (lane % 4) * 4;
+  }
+  float acc[MT][4];
+  gemm::mma::warp_mainloop<T, MT>(acc, wbase, sbase, xrow, inter, 0, tiles_k, warp, lane);
+
+  __shared__ gemm::mma::CtaPartials<MT> partial;
+  partial.store(acc, warp, lane);
+  __syncthreads();
+  const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
+  for (int e = threadIdx.x; e < 16 * 8 * MT; e += kThreads) {
+    const int r = e % 16, mc = e / 16;
+    if (mc >= it.rows) continue;
+    expert_out[int64_t(it.row + mc) * h + nt * 16 + r] = cuda::from_float<T>(partial.sum(r, mc) * gs);
+  }
+}
+
+// out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order.
+template <typename T>
+__global__ void moe_combine_kernel(const T* __restrict__ expert_out, const int32_t* __restrict__ slot_pos,
+                                   const float* __restrict__ weights, int64_t k, int64_t h, T* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = int64_t(threadIdx.x) * 8; c < h; c += int64_t(blockDim.x) * 8) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t p = slot_pos[t * k + j];
+      if (p < 0) continue;
+      const float w = weights[t * k + j];
+      float v[8];
+      cuda::load8(expert_out + int64_t(p) * h + c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+    }
+    cuda::store8(out + t * h + c, acc);
+  }
+}
+
+// Rows per work item: 8 MT, from the mean rows per expert that can get any.
+int m_tiles(const MoeArgs& a) {
+  const int64_t slots = a.m * a.k;
+  const int64_t active = std::min<int64_t>(a.e, slots);
+  const int64_t mean = active > 0 ? slots / active : 0;
+  return mean <= 8 ? 1 : (mean <= 16 ? 2 : 4);
+}
+
+int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+struct Workspace {
+  int32_t* slot_pos;      // [M k]
+  int32_t* sorted_token;  // [M k]
+  Item* items;            // [max_items]
+  int32_t* num_items;     // [1]
+  void* act;              // [M k, I]
+  void* expert_out;       // [M k, H]
+  int64_t max_items;
+  int64_t bytes;
+};
+
+Workspace carve(const MoeArgs& a, char* base) {
+  const int64_t slots = a.m * a.k;
+  const int64_t chunk = 8 * m_tiles(a);
+  Workspace w{};
+  w.max_items = std::min<int64_t>(a.e, slots) + slots / chunk;
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    char* p = base ? base + off : nullptr;
+    off += align_up(bytes);
+    return p;
+  };
+  w.slot_pos = reinterpret_cast<int32_t*>(take(slots * 4));
+  w.sorted_token = reinterpret_cast<int32_t*>(take(slots * 4));
+  w.items = reinterpret_cast<Item*>(take(w.max_items * int64_t(sizeof(Item))));
+  w.num_items = reinterpret_cast<int32_t*>(take(4));
+  w.act = take(slots * a.inter * 2);
+  w.expert_out = take(slots * a.h * 2);
+  w.bytes = off;
+  return w;
+}
+
+template <typename T, int MT>
+cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  const int64_t slots = a.m * a.k;
+  moe_align_kernel<<<1, kAlignThreads, a.e * sizeof(int32_t), stream>>>(
+      a.topk_ids, slots, a.k, static_cast<int>(a.e), 8 * MT, ws.slot_pos, ws.sorted_token, ws.items, ws.num_items);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  T* act = static_cast<T*>(ws.act);
+  T* expert_out = static_cast<T*>(ws.expert_out);
+  if (ws.max_items > 0) {
+    moe_up_kernel<T, MT><<<dim3(unsigned(ws.max_items), unsigned(2 * a.inter / 16)), kThreads, 0, stream>>>(
+        static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act,
+        a.h, a.inter, a.has_limit, a.swiglu_limit);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    moe_down_kernel<T, MT><<<dim3(unsigned(ws.max_items), unsigned(a.h / 16)), kThreads, 0, stream>>>(
+        act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(256, (a.h / 8 + 31) / 32 * 32));
+  moe_combine_kernel<T><<<unsigned(a.m), threads, 0, stream>>>(expert_out, ws.slot_pos, a.topk_weights, a.k, a.h,
+                                                               static_cast<T*>(a.out));
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  switch (m_tiles(a)) {
+    case 1: return launch<T, 1>(a, ws, stream);
+    case 2: return launch<T, 2>(a, ws, stream);
+    default: return launch<T, 4>(a, ws, stream);
+  }
+}
+
+}  // namespace
+
+int64_t moe_workspace_bytes(const MoeArgs& a) { return carve(a, nullptr).bytes; }
+
+cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream) {
+  if (a.m == 0) return cudaSuccess;
+  const Workspace ws = carve(a, static_cast<char*>(workspace));
+  if (a.dtype == DType::kBFloat16) return launch_typed<__nv_bfloat16>(a, ws, stream);
+  if (a.dtype == DType::kFloat16) return launch_typed<__half>(a, ws, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace lowbit::nvfp4::moe

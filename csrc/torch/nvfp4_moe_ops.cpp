@@ -1,0 +1,198 @@
+// Bindings of lowbit::nvfp4_moe_prepack / nvfp4_moe: validation, the prepack
+// (one implementation for every device: a row interleave of W13 and the
+// Linear's prepack through the dispatcher), and the CPU and Meta kernels of
+// the MoE (CUDA in nvfp4_moe_ops_cuda.cpp).
+//
+// The CPU MoE is the reference: per expert that received tokens, dequantize
+// its weights to FP32, gate_up = x W13^T in FP32, the clamped SwiGLU in FP32,
+// h rounded to x's dtype (as the GPU must round it for its second GEMM),
+// y = h W2^T in FP32, accumulated with the routing weights in FP32; the
+// result is rounded once to x's dtype.
+#include "nvfp4_moe_ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "lowbit/nvfp4_gemm.h"
+#include "lowbit/nvfp4_gemm_layout.h"
+#include "nvfp4_linear_ops.h"
+
+namespace lowbit::ops {
+namespace {
+
+constexpr const char* kMoePrepack = "nvfp4_moe_prepack";
+constexpr const char* kMoe = "nvfp4_moe";
+
+void check_stacked(const at::Tensor& t, const char* op, const char* arg, std::initializer_list<at::ScalarType> dtypes) {
+  check_dtype(t, op, arg, dtypes);
+  check_dims(t, op, arg, {3});
+}
+
+}  // namespace
+
+void check_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+               const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+               const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+               c10::optional<double> swiglu_limit, bool cuda) {
+  if (cuda) {
+    check_dtype(x, kMoe, "x", {at::kBFloat16, at::kHalf});
+  } else {
+    check_dtype(x, kMoe, "x", {at::kBFloat16, at::kHalf, at::kFloat});
+  }
+  check_dims(x, kMoe, "x", {2});
+  check_last_dim_multiple(x, 16, kMoe, "x");
+  check_dtype(topk_weights, kMoe, "topk_weights", {at::kFloat});
+  check_dims(topk_weights, kMoe, "topk_weights", {2});
+  check_dtype(topk_ids, kMoe, "topk_ids", {at::kInt});
+  TORCH_CHECK_VALUE(topk_weights.sym_size(0) == x.sym_size(0), "lowbit.", kMoe,
+                    ": argument 'topk_weights' must have one row per row of 'x' (", x.sym_size(0), "), got shape ",
+                    topk_weights.sym_sizes());
+  check_shape(topk_ids, topk_weights.sym_sizes(), kMoe, "topk_ids");
+  check_stacked(w13, kMoe, "w13", {at::kByte});
+  check_stacked(w13_scale, kMoe, "w13_scale", {at::kByte});
+  check_stacked(w2, kMoe, "w2", {at::kByte});
+  check_stacked(w2_scale, kMoe, "w2_scale", {at::kByte});
+  check_dtype(w13_global, kMoe, "w13_global", {at::kFloat});
+  check_dtype(w2_global, kMoe, "w2_global", {at::kFloat});
+  const c10::SymInt& h = x.sym_size(1);
+  const c10::SymInt& e = w13.sym_size(0);
+  const c10::SymInt& two_i = w13.sym_size(1);
+  TORCH_CHECK_VALUE(e >= 1, "lowbit.", kMoe, ": argument 'w13' must hold at least one expert, got shape ",
+                    w13.sym_sizes());
+  TORCH_CHECK_VALUE(two_i % 32 == 0 && two_i > 0, "lowbit.", kMoe,
+                    ": argument 'w13' must have 2 * I rows per expert with I a positive multiple of 16, got shape ",
+                    w13.sym_sizes());
+  const c10::SymInt inter = two_i / 2;
+  const c10::SymInt hp = padded_k_sym(h), ip = padded_k_sym(inter);
+  TORCH_CHECK_VALUE(w13.sym_size(2) == hp / 2, "lowbit.", kMoe,
+                    ": argument 'w13' must be prepacked (lowbit.nvfp4_moe_prepack) for H = ", h,
+                    ", i.e. have shape [E, 2I, ", hp / 2, "], got ", w13.sym_sizes());
+  check_shape(w13_scale, c10::SymDimVector{e, two_i, hp / 16}, kMoe, "w13_scale");
+  check_shape(w13_global, c10::SymDimVector{e}, kMoe, "w13_global");
+  check_shape(w2, c10::SymDimVector{e, h, ip / 2}, kMoe, "w2");
+  check_shape(w2_scale, c10::SymDimVector{e, h, ip / 16}, kMoe, "w2_scale");
+  check_shape(w2_global, c10::SymDimVector{e}, kMoe, "w2_global");
+  if (swiglu_limit.has_value()) {
+    TORCH_CHECK_VALUE(*swiglu_limit > 0, "lowbit.", kMoe, ": argument 'swiglu_limit' must be > 0 (or None), got ",
+                      *swiglu_limit);
+  }
+  const at::Tensor* same[] = {&topk_weights, &topk_ids, &w13, &w13_scale, &w13_global, &w2, &w2_scale, &w2_global};
+  const char* names[] = {"topk_weights", "topk_ids", "w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global"};
+  for (int i = 0; i < 8; ++i) check_same_device(*same[i], x, kMoe, names[i], "x");
+  TORCH_CHECK_VALUE(topk_ids.sym_numel() < (int64_t(1) << 31), "lowbit.", kMoe,
+                    ": M * k must be below 2^31, got topk_ids of shape ", topk_ids.sym_sizes());
+}
+
+namespace {
+
+// Checkpoint [E, 2I, C] (gate rows, then up rows) -> [E * 2I, C] with the
+// rows in the order of moe::moe_w13_row (8 gate rows, the matching 8 up rows).
+at::Tensor interleave_w13(const at::Tensor& t) {
+  const int64_t e = t.size(0), two_i = t.size(1), c = t.size(2);
+  return t.reshape({e, 2, two_i / 16, 8, c}).permute({0, 2, 1, 3, 4}).reshape({e * two_i, c});
+}
+
+std::tuple<at::Tensor, at::Tensor> prepack_2d(const at::Tensor& weight, const at::Tensor& scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowbit::nvfp4_prepack", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&)>();
+  return op.call(weight, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_prepack(const at::Tensor& w13,
+                                                                       const at::Tensor& w13_scale,
+                                                                       const at::Tensor& w2,
+                                                                       const at::Tensor& w2_scale) {
+  check_stacked(w13, kMoePrepack, "w13", {at::kByte});
+  check_stacked(w13_scale, kMoePrepack, "w13_scale", {at::kFloat8_e4m3fn, at::kByte});
+  check_stacked(w2, kMoePrepack, "w2", {at::kByte});
+  check_stacked(w2_scale, kMoePrepack, "w2_scale", {at::kFloat8_e4m3fn, at::kByte});
+  const int64_t e = w13.size(0), two_i = w13.size(1), h = w13.size(2) * 2;
+  TORCH_CHECK_VALUE(e >= 1, "lowbit.", kMoePrepack, ": argument 'w13' must hold at least one expert, got shape ",
+                    w13.sizes());
+  TORCH_CHECK_VALUE(two_i % 32 == 0 && two_i > 0, "lowbit.", kMoePrepack,
+                    ": argument 'w13' must be [E, 2I, H/2] with I a positive multiple of 16, got shape ", w13.sizes());
+  TORCH_CHECK_VALUE(h % 16 == 0 && h > 0, "lowbit.", kMoePrepack,
+                    ": argument 'w13' must be [E, 2I, H/2] with H a positive multiple of 16, got shape ", w13.sizes());
+  const int64_t inter = two_i / 2;
+  check_shape(w13_scale, c10::SymDimVector{e, two_i, h / 16}, kMoePrepack, "w13_scale");
+  check_shape(w2, c10::SymDimVector{e, h, inter / 2}, kMoePrepack, "w2");
+  check_shape(w2_scale, c10::SymDimVector{e, h, inter / 16}, kMoePrepack, "w2_scale");
+  check_same_device(w13_scale, w13, kMoePrepack, "w13_scale", "w13");
+  check_same_device(w2, w13, kMoePrepack, "w2", "w13");
+  check_same_device(w2_scale, w13, kMoePrepack, "w2_scale", "w13");
+  auto [p13, s13] = prepack_2d(interleave_w13(w13), interleave_w13(w13_scale));
+  auto [p2, s2] = prepack_2d(w2.reshape({e * h, inter / 2}), w2_scale.reshape({e * h, inter / 16}));
+  return {p13.view({e, two_i, -1}), s13.view({e, two_i, -1}), p2.view({e, h, -1}), s2.view({e, h, -1})};
+}
+
+// Expert e's weight, dequantized to FP32 [N, K] (rows as prepacked).
+at::Tensor dequantize_expert(const at::Tensor& w, const at::Tensor& s, const at::Tensor& g, int64_t e, int64_t k) {
+  at::Tensor out = at::empty({w.size(1), k}, w.options().dtype(at::kFloat));
+  at::Tensor we = w.select(0, e), se = s.select(0, e), ge = g.select(0, e);
+  nvfp4::gemm::unpack_cpu(unpack_args(we, se, ge, out));
+  return out;
+}
+
+at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                   const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                   const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                   c10::optional<double> swiglu_limit) {
+  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, false);
+  const int64_t m = x.size(0), h = x.size(1), k = topk_ids.size(1), experts = w13.size(0);
+  const int64_t inter = w13.size(1) / 2;
+  at::Tensor ids = topk_ids.contiguous();
+  if (ids.numel() > 0) {
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= 0 && hi < experts, "lowbit.", kMoe, ": argument 'topk_ids' must hold expert ids in [0, ",
+                      experts, "), got values in [", lo, ", ", hi, "]");
+  }
+  auto p13 = w13.contiguous(), s13 = w13_scale.contiguous(), g13 = w13_global.contiguous();
+  auto p2 = w2.contiguous(), s2 = w2_scale.contiguous(), g2 = w2_global.contiguous();
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor wf = topk_weights.to(at::kFloat);
+  at::Tensor out = at::zeros({m, h}, x.options().dtype(at::kFloat));
+  const int32_t* id = ids.data_ptr<int32_t>();
+  std::vector<std::vector<int64_t>> pairs(experts);  // flat slot indices per expert, in slot order
+  for (int64_t i = 0; i < m * k; ++i) pairs[id[i]].push_back(i);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (pairs[e].empty()) continue;
+    at::Tensor slot = at::tensor(pairs[e], at::kLong);
+    at::Tensor token = at::floor_divide(slot, k);
+    // Prepacked W13 rows are interleaved 8 gate / 8 up; back to [gate; up].
+    at::Tensor w13e = dequantize_expert(p13, s13, g13, e, h)
+                          .view({inter / 8, 2, 8, h})
+                          .permute({1, 0, 2, 3})
+                          .reshape({2 * inter, h});
+    at::Tensor gate_up = at::matmul(xf.index_select(0, token), w13e.t());
+    at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
+    if (swiglu_limit.has_value()) {
+      gate = at::clamp_max(gate, *swiglu_limit);
+      up = at::clamp(up, -*swiglu_limit, *swiglu_limit);
+    }
+    at::Tensor act = (at::silu(gate) * up).to(x.scalar_type()).to(at::kFloat);
+    at::Tensor y = at::matmul(act, dequantize_expert(p2, s2, g2, e, inter).t());
+    out.index_add_(0, token, y * wf.view({-1}).index_select(0, slot).unsqueeze(1));
+  }
+  return out.to(x.scalar_type());
+}
+
+at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                    const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                    const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                    c10::optional<double> swiglu_limit) {
+  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, false);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+}  // namespace
+}  // namespace lowbit::ops
+
+TORCH_LIBRARY_IMPL(lowbit, CompositeExplicitAutograd, m) {
+  m.impl("nvfp4_moe_prepack", &lowbit::ops::moe_prepack);
+}
+
+TORCH_LIBRARY_IMPL(lowbit, CPU, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_cpu); }
+
+TORCH_LIBRARY_IMPL(lowbit, Meta, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_meta); }

@@ -1,0 +1,67 @@
+// CUDA kernel of lowbit::nvfp4_moe: an adapter to the launcher in
+// csrc/lowbit/nvfp4_moe.cu. Its workspace (sorted order, work items, h and
+// the per-pair expert outputs) comes from the caching allocator, sized from
+// the shapes, so the op captures in CUDA graphs with no host synchronization.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "lowbit/nvfp4_moe.h"
+#include "nvfp4_moe_ops.h"
+
+namespace lowbit::ops {
+namespace {
+
+// The align kernel keeps one int per expert in shared memory (48 KB).
+constexpr int64_t kMaxExperts = 12288;
+
+at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                    const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                    const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                    c10::optional<double> swiglu_limit) {
+  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
+  const auto* props = at::cuda::getDeviceProperties(x.device().index());
+  TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 9, "lowbit.nvfp4_moe: the CUDA kernels need compute capability 9.0 "
+                              "(Hopper, built for sm_90a), got ", props->major, ".", props->minor);
+  TORCH_CHECK_VALUE(w13.size(0) <= kMaxExperts, "lowbit.nvfp4_moe: argument 'w13' may hold at most ", kMaxExperts,
+                    " experts on CUDA, got ", w13.size(0));
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty({m, h}, x.options());
+  if (m == 0) return out;
+  auto xc = contiguous_aligned(x, 16);
+  auto wts = topk_weights.contiguous();
+  auto ids = topk_ids.contiguous();
+  auto p13 = contiguous_aligned(w13, 16), s13 = contiguous_aligned(w13_scale, 16);
+  auto p2 = contiguous_aligned(w2, 16), s2 = contiguous_aligned(w2_scale, 16);
+  auto g13 = w13_global.contiguous(), g2 = w2_global.contiguous();
+  nvfp4::moe::MoeArgs a{};
+  a.x = xc.data_ptr();
+  a.dtype = to_lowbit_dtype(x.scalar_type());
+  a.topk_weights = wts.data_ptr<float>();
+  a.topk_ids = ids.data_ptr<int32_t>();
+  a.w13 = p13.data_ptr<uint8_t>();
+  a.w13_scale = s13.data_ptr<uint8_t>();
+  a.w13_global = g13.data_ptr<float>();
+  a.w2 = p2.data_ptr<uint8_t>();
+  a.w2_scale = s2.data_ptr<uint8_t>();
+  a.w2_global = g2.data_ptr<float>();
+  a.has_limit = swiglu_limit.has_value();
+  a.swiglu_limit = a.has_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+  a.out = out.data_ptr();
+  a.m = m;
+  a.k = ids.size(1);
+  a.e = w13.size(0);
+  a.h = h;
+  a.inter = w13.size(1) / 2;
+  at::Tensor workspace = at::empty({nvfp4::moe::moe_workspace_bytes(a)}, x.options().dtype(at::kByte));
+  C10_CUDA_CHECK(nvfp4::moe::moe_cuda(a, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+}  // namespace lowbit::ops
+
+TORCH_LIBRARY_IMPL(lowbit, CUDA, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_cuda); }
