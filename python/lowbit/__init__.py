@@ -7,10 +7,12 @@ _load()
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
 from .linear import nvfp4_linear, nvfp4_prepack, quantize_  # noqa: E402
+from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Nvfp4MoePrepacked",
     "Nvfp4Tensor",
     "build_info",
     "dense_router",
@@ -18,6 +20,8 @@ __all__ = [
     "has_cuda_kernels",
     "nvfp4_dequantize",
     "nvfp4_linear",
+    "nvfp4_moe",
+    "nvfp4_moe_prepack",
     "nvfp4_prepack",
     "nvfp4_quantize",
     "route",

@@ -1,0 +1,546 @@
+"""``Nvfp4MoE``: a DeepSeek-V3 / V4 style mixture-of-experts layer with NVFP4
+expert weights (W4A16), for inference.
+
+    y = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])  (+ SharedExpert(x[t]))
+    Expert(x) = W2 (silu(gate) * up),  [gate | up] = W13 x,
+    gate = min(gate, L), up = clamp(up, -L, L) when ``swiglu_limit`` L is set
+
+Routing is a :class:`lowbit.nn.Router` (``"dense"``: learned gate with
+sqrt-softplus / sigmoid / softmax scores, optional DeepSeek-V3 group-limited
+selection; ``"hash"``: DeepSeek-V4's token-id table, weighted by the gate).
+The routed experts run in one :func:`lowbit.nvfp4_moe` call.
+
+The optional shared expert (same clamped SwiGLU MLP, weight 1, every token)
+is *fused* with the routed experts when its intermediate size equals the
+experts' ``I``: it is stored as one more expert, index E, in the stacked
+buffers, and every token gets one more (id E, weight 1.0) slot. Otherwise it
+runs as two :class:`lowbit.nn.Nvfp4Linear` (gate+up, down) with the clamped
+SwiGLU in torch, and its output (in x's dtype) is added to the experts' (so
+that path rounds twice more: the gate/up output and the sum).
+
+State (all buffers, in ``state_dict``):
+
+    router.weight [E, H] (bf16 or fp32), router.e_score_correction_bias
+    float32 [E], router.tid2eid int32 [vocab, k] (hash mode)
+    w13 uint8 [Es, 2I, Hp/2], w13_scale uint8 [Es, 2I, Hp/16], w13_global float32 [Es]
+    w2 uint8 [Es, H, Ip/2],   w2_scale uint8 [Es, H, Ip/16],   w2_global float32 [Es]
+    shared_gate_up.*, shared_down.* (Nvfp4Linear; unfused shared expert only)
+
+with Es = E (+1 for a fused shared expert) and the prepacked layout of
+:func:`lowbit.nvfp4_moe_prepack` (the same on every device, so ``.to()``
+moves the module). The dtypes of the state are part of the format:
+``.to(dtype)`` / ``.half()`` move nothing between dtypes (the activations
+choose the compute dtype), only ``.to(device)`` applies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..moe import nvfp4_moe, nvfp4_moe_prepack
+from ..ops import nvfp4_quantize
+from .linear import Nvfp4Linear
+from .router import Router
+
+_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+_HASH_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
+_ROUTER_DTYPES = (torch.bfloat16, torch.float32)
+_ALL_OR_NONE = "shared_up_proj and shared_down_proj: give all three or none"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _err(where: str, arg: str, message: str) -> str:
+    return f"Nvfp4MoE{where}: argument '{arg}' {message}"
+
+
+def _check_multiple_of_16(value: object, where: str, arg: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
+        raise ValueError(_err(where, arg, f"must be a positive multiple of 16, got {value!r}"))
+
+
+def _check_tensor(t: object, where: str, arg: str, ndim: int, floating: bool | None = None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(_err(where, arg, f"must be a Tensor, got {type(t).__name__}"))
+    if t.dim() != ndim:
+        raise ValueError(_err(where, arg, f"must be {ndim}-D, got shape {list(t.shape)}"))
+    if floating is True and not t.dtype.is_floating_point:
+        raise TypeError(_err(where, arg, f"must have a floating-point dtype, got {t.dtype}"))
+    if floating is False and t.dtype != torch.uint8:
+        raise TypeError(_err(where, arg, f"must have dtype torch.uint8 (packed NVFP4 codes), got {t.dtype}"))
+    return t
+
+
+def _check_shape(t: Tensor, shape: Sequence[int], where: str, arg: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(_err(where, arg, f"must have shape {list(shape)}, got {list(t.shape)}"))
+
+
+def _scale_codes(t: Tensor, where: str, arg: str) -> Tensor:
+    """E4M3 block scales as uint8 codes (float8_e4m3fn or uint8 accepted)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(_err(where, arg, f"must be a Tensor, got {type(t).__name__}"))
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    if t.dtype != torch.uint8:
+        raise TypeError(
+            _err(where, arg, f"must have dtype torch.float8_e4m3fn or torch.uint8 (E4M3 codes), got {t.dtype}")
+        )
+    return t
+
+
+def _per_expert_global(t: object, n: int, where: str, arg: str, allow_pair: bool) -> Tensor:
+    """ModelOpt ``weight_scale_2`` of stacked experts -> float32 [n].
+
+    Accepted: [n], [n, 1] and, for the gate+up tensor, [n, 2] (separate gate
+    and up globals), which must then be equal: the prepacked w13 applies one
+    global per expert to all 2I rows, and folding two different globals into
+    one would need the E4M3 block scales (3 mantissa bits) or the FP4 codes
+    to be requantized, which is lossy.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(_err(where, arg, f"must be a Tensor, got {type(t).__name__}"))
+    g = t.detach().float()
+    forms = f"[{n}], [{n}, 1] or [{n}, 2]" if allow_pair else f"[{n}] or [{n}, 1]"
+    if g.dim() == 2 and g.shape[0] == n and (g.shape[1] == 1 or (allow_pair and g.shape[1] == 2)):
+        if g.shape[1] == 2:
+            differ = (g[:, 0] != g[:, 1]).nonzero().flatten()
+            if differ.numel():
+                e = int(differ[0])
+                raise ValueError(_err(
+                    where, arg,
+                    f"holds different gate and up global scales for {differ.numel()} expert(s), first expert {e}: "
+                    f"{g[e, 0].item()!r} vs {g[e, 1].item()!r}. The fused gate+up weight has one global scale per "
+                    "expert, and the NVFP4 codes cannot be requantized to a common scale without loss; export the "
+                    "checkpoint with shared gate/up global scales (ModelOpt does so for fused layers)",
+                ))
+        g = g[:, 0]
+    if tuple(g.shape) != (n,):
+        raise ValueError(_err(where, arg, f"must have shape {forms}, got {list(t.shape)}"))
+    return g.contiguous()
+
+
+def _scalar_global(t: object, where: str, arg: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(_err(where, arg, f"must be a Tensor, got {type(t).__name__}"))
+    if t.numel() != 1:
+        raise ValueError(_err(where, arg, f"must hold one global scale, got shape {list(t.shape)}"))
+    return t.detach().float().reshape(())
+
+
+def _split_triplet(t: object, where: str, arg: str) -> tuple[Tensor, Tensor, Tensor]:
+    if not isinstance(t, (tuple, list)) or len(t) != 3:
+        raise TypeError(_err(where, arg, "must be a (weight, weight_scale, weight_scale_2) tuple of ModelOpt tensors"))
+    return t[0], t[1], t[2]
+
+
+class Nvfp4MoE(nn.Module):
+    """Router + NVFP4 routed experts (+ optional shared expert).
+
+    Args:
+        hidden_size: H (multiple of 16).
+        intermediate_size: I of each routed expert (multiple of 16).
+        n_experts: E, the routed experts.
+        k: experts per token.
+        mode: ``"dense"`` or ``"hash"`` (then ``vocab_size`` is required and
+            ``forward`` needs ``token_ids``).
+        score_func: ``"sqrtsoftplus"`` (DeepSeek-V4), ``"sigmoid"``
+            (DeepSeek-V3) or ``"softmax"`` (dense mode only).
+        n_group, topk_group: DeepSeek-V3 group-limited selection.
+        renormalize, routed_scaling_factor: as :func:`lowbit.route`.
+        router_bias: keep an ``e_score_correction_bias`` (selects only).
+        swiglu_limit: L of the clamped SwiGLU (DeepSeek-V4: 10), or None.
+        shared_intermediate_size: Is of the shared expert, or None for none.
+        router_dtype: dtype of the gate weight (bfloat16 or float32).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        n_experts: int,
+        k: int,
+        mode: str = "dense",
+        score_func: str = "sqrtsoftplus",
+        n_group: int = 1,
+        topk_group: int = 1,
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
+        vocab_size: int | None = None,
+        router_bias: bool = True,
+        swiglu_limit: float | None = None,
+        shared_intermediate_size: int | None = None,
+        router_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        _check_multiple_of_16(hidden_size, "", "hidden_size")
+        _check_multiple_of_16(intermediate_size, "", "intermediate_size")
+        if not isinstance(n_experts, int) or n_experts < 1:
+            raise ValueError(_err("", "n_experts", f"must be a positive int, got {n_experts!r}"))
+        if not isinstance(k, int) or not 1 <= k <= n_experts:
+            raise ValueError(_err("", "k", f"must be in [1, {n_experts}] (n_experts), got {k!r}"))
+        if mode not in ("dense", "hash"):
+            raise ValueError(_err("", "mode", f"must be 'dense' or 'hash', got {mode!r}"))
+        allowed = _HASH_SCORE_FUNCS if mode == "hash" else _SCORE_FUNCS
+        if score_func not in allowed:
+            raise ValueError(_err("", "score_func", f"must be one of {allowed} in {mode} mode, got {score_func!r}"))
+        if not isinstance(n_group, int) or n_group < 1 or n_experts % n_group:
+            raise ValueError(
+                _err("", "n_group", f"must be a positive divisor of n_experts ({n_experts}), got {n_group!r}")
+            )
+        if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+            raise ValueError(_err("", "topk_group", f"must be in [1, {n_group}] (n_group), got {topk_group!r}"))
+        if n_experts // n_group * topk_group < k:
+            raise ValueError(_err(
+                "", "k", f"({k}) exceeds the {n_experts // n_group * topk_group} experts of the "
+                f"{topk_group} kept group(s) of {n_experts // n_group}",
+            ))
+        if swiglu_limit is not None:
+            if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)) or not (
+                math.isfinite(swiglu_limit) and swiglu_limit > 0
+            ):
+                raise ValueError(_err("", "swiglu_limit", f"must be None or a finite number > 0, got {swiglu_limit!r}"))
+            swiglu_limit = float(swiglu_limit)
+        if shared_intermediate_size is not None:
+            _check_multiple_of_16(shared_intermediate_size, "", "shared_intermediate_size")
+        if router_dtype not in _ROUTER_DTYPES:
+            raise TypeError(_err("", "router_dtype", f"must be torch.bfloat16 or torch.float32, got {router_dtype}"))
+
+        self.hidden_size, self.intermediate_size, self.n_experts, self.k = hidden_size, intermediate_size, n_experts, k
+        self.mode = mode
+        self.swiglu_limit = swiglu_limit
+        self.shared_intermediate_size = shared_intermediate_size
+        self.shared_fused = shared_intermediate_size == intermediate_size
+        self.router = Router(
+            hidden_size, n_experts, k, mode=mode, score_func=score_func, n_group=n_group, topk_group=topk_group,
+            renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, vocab_size=vocab_size,
+            bias=router_bias, dtype=router_dtype, device=device,
+        )
+        stacked = n_experts + (1 if self.shared_fused else 0)
+        hp, ip = _round_up(hidden_size, 128), _round_up(intermediate_size, 128)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("w13", torch.zeros(stacked, 2 * intermediate_size, hp // 2, **u8))
+        self.register_buffer("w13_scale", torch.zeros(stacked, 2 * intermediate_size, hp // 16, **u8))
+        self.register_buffer("w13_global", torch.ones(stacked, dtype=torch.float32, device=device))
+        self.register_buffer("w2", torch.zeros(stacked, hidden_size, ip // 2, **u8))
+        self.register_buffer("w2_scale", torch.zeros(stacked, hidden_size, ip // 16, **u8))
+        self.register_buffer("w2_global", torch.ones(stacked, dtype=torch.float32, device=device))
+        if shared_intermediate_size is not None and not self.shared_fused:
+            self.shared_gate_up = Nvfp4Linear(hidden_size, 2 * shared_intermediate_size, bias=False, device=device)
+            self.shared_down = Nvfp4Linear(shared_intermediate_size, hidden_size, bias=False, device=device)
+        else:
+            self.shared_gate_up = None
+            self.shared_down = None
+
+    # ---- construction -----------------------------------------------------
+
+    def _load_experts(self, w13: Tensor, w13_scale: Tensor, w13_global: Tensor, w2: Tensor, w2_scale: Tensor,
+                      w2_global: Tensor) -> None:
+        """Checkpoint-layout stacked experts (shared expert included when fused) -> prepacked buffers."""
+        packed = nvfp4_moe_prepack(w13, w13_scale, w2, w2_scale)
+        self.w13.copy_(packed.w13)
+        self.w13_scale.copy_(packed.w13_scale)
+        self.w2.copy_(packed.w2)
+        self.w2_scale.copy_(packed.w2_scale)
+        self.w13_global.copy_(w13_global)
+        self.w2_global.copy_(w2_global)
+
+    def _load_router(self, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None, where: str) -> None:
+        _check_shape(weight, (self.n_experts, self.hidden_size), where, "router_weight")
+        self.router.weight.copy_(weight)
+        if bias is not None:
+            _check_tensor(bias, where, "e_score_correction_bias", 1)
+            _check_shape(bias, (self.n_experts,), where, "e_score_correction_bias")
+            self.router.e_score_correction_bias.copy_(bias)
+        if tid2eid is not None:
+            self.router.set_hash_table(tid2eid)
+
+    @staticmethod
+    def _router_config(where: str, router_weight: object, e_score_correction_bias: object, mode: str,
+                       tid2eid: object, vocab_size: int | None) -> dict:
+        w = _check_tensor(router_weight, where, "router_weight", 2, floating=True)
+        if w.dtype not in _ROUTER_DTYPES:
+            raise TypeError(
+                _err(where, "router_weight", f"must have dtype torch.bfloat16 or torch.float32, got {w.dtype}")
+            )
+        if mode == "hash":
+            if tid2eid is None:
+                raise ValueError(_err(where, "tid2eid", "is required with mode='hash'"))
+            _check_tensor(tid2eid, where, "tid2eid", 2)
+            vocab_size = tid2eid.shape[0]
+        elif tid2eid is not None:
+            raise ValueError(_err(where, "tid2eid", "is only used with mode='hash'"))
+        return dict(router_bias=e_score_correction_bias is not None, router_dtype=w.dtype, vocab_size=vocab_size,
+                    mode=mode, device=w.device)
+
+    @classmethod
+    def from_bf16(
+        cls,
+        gate_up_proj: Tensor,
+        down_proj: Tensor,
+        router_weight: Tensor,
+        e_score_correction_bias: Tensor | None = None,
+        *,
+        k: int,
+        mode: str = "dense",
+        tid2eid: Tensor | None = None,
+        score_func: str = "sqrtsoftplus",
+        n_group: int = 1,
+        topk_group: int = 1,
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
+        swiglu_limit: float | None = None,
+        shared_gate_proj: Tensor | None = None,
+        shared_up_proj: Tensor | None = None,
+        shared_down_proj: Tensor | None = None,
+    ) -> "Nvfp4MoE":
+        """Quantizes unquantized (BF16/FP16/FP32) weights with the reference
+        NVFP4 rule (:func:`lowbit.nvfp4_quantize`, one global per expert).
+
+        Layouts as in Hugging Face transformers' DeepseekV3 / DeepseekV4 MoE:
+        ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I],
+        ``router_weight`` [E, H] (bf16 or fp32, kept unquantized),
+        ``e_score_correction_bias`` [E]; in hash mode ``tid2eid`` [vocab, k].
+        Optional shared expert: ``shared_gate_proj`` / ``shared_up_proj``
+        [Is, H] and ``shared_down_proj`` [H, Is] (all three or none); gate and
+        up share one global scale.
+        """
+        where = ".from_bf16"
+        gu = _check_tensor(gate_up_proj, where, "gate_up_proj", 3, floating=True)
+        down = _check_tensor(down_proj, where, "down_proj", 3, floating=True)
+        e, two_i, h = gu.shape
+        if two_i % 2:
+            raise ValueError(_err(where, "gate_up_proj", f"must have shape [E, 2I, H], got {list(gu.shape)}"))
+        i = two_i // 2
+        _check_shape(down, (e, h, i), where, "down_proj")
+        shared = (shared_gate_proj, shared_up_proj, shared_down_proj)
+        if any(t is not None for t in shared) and any(t is None for t in shared):
+            raise ValueError(_err(where, "shared_gate_proj", _ALL_OR_NONE))
+        shared_i = None
+        if shared_gate_proj is not None:
+            sg = _check_tensor(shared_gate_proj, where, "shared_gate_proj", 2, floating=True)
+            su = _check_tensor(shared_up_proj, where, "shared_up_proj", 2, floating=True)
+            sd = _check_tensor(shared_down_proj, where, "shared_down_proj", 2, floating=True)
+            shared_i = sg.shape[0]
+            _check_shape(sg, (shared_i, h), where, "shared_gate_proj")
+            _check_shape(su, (shared_i, h), where, "shared_up_proj")
+            _check_shape(sd, (h, shared_i), where, "shared_down_proj")
+        cfg = cls._router_config(where, router_weight, e_score_correction_bias, mode, tid2eid, None)
+        cfg["device"] = gu.device
+        mod = cls(h, i, e, k, score_func=score_func, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+                  routed_scaling_factor=routed_scaling_factor, swiglu_limit=swiglu_limit,
+                  shared_intermediate_size=shared_i, **cfg)
+        with torch.no_grad():
+            gu, down = gu.detach(), down.detach()
+            if shared_i is not None:
+                shared_gu = torch.cat([shared_gate_proj.detach(), shared_up_proj.detach()]).to(gu.dtype)
+            if mod.shared_fused:
+                gu = torch.cat([gu, shared_gu.unsqueeze(0)])
+                down = torch.cat([down, shared_down_proj.detach().to(down.dtype).unsqueeze(0)])
+            q13, q2 = nvfp4_quantize(gu), nvfp4_quantize(down)
+            mod._load_experts(q13.packed, q13.block_scale, q13.global_scale, q2.packed, q2.block_scale, q2.global_scale)
+            if shared_i is not None and not mod.shared_fused:
+                mod.shared_gate_up.load_state_dict(Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_gu)).state_dict())
+                mod.shared_down.load_state_dict(
+                    Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_down_proj.detach())).state_dict()
+                )
+            mod._load_router(router_weight.detach(), e_score_correction_bias, tid2eid, where)
+        return mod
+
+    @classmethod
+    def from_modelopt(
+        cls,
+        w13_weight: Tensor,
+        w13_weight_scale: Tensor,
+        w13_weight_scale_2: Tensor,
+        w2_weight: Tensor,
+        w2_weight_scale: Tensor,
+        w2_weight_scale_2: Tensor,
+        router_weight: Tensor,
+        e_score_correction_bias: Tensor | None = None,
+        *,
+        k: int,
+        mode: str = "dense",
+        tid2eid: Tensor | None = None,
+        score_func: str = "sqrtsoftplus",
+        n_group: int = 1,
+        topk_group: int = 1,
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
+        swiglu_limit: float | None = None,
+        shared_gate_proj: Sequence[Tensor] | None = None,
+        shared_up_proj: Sequence[Tensor] | None = None,
+        shared_down_proj: Sequence[Tensor] | None = None,
+    ) -> "Nvfp4MoE":
+        """From NVIDIA ModelOpt NVFP4 tensors of stacked experts (no requantization).
+
+        ``w13_weight`` uint8 [E, 2I, H/2] (gate rows, then up rows),
+        ``w13_weight_scale`` float8_e4m3fn (or uint8 codes) [E, 2I, H/16],
+        ``w13_weight_scale_2`` float32 [E], [E, 1] or [E, 2]; ``w2_weight``
+        uint8 [E, H, I/2], ``w2_weight_scale`` [E, H, I/16],
+        ``w2_weight_scale_2`` [E] or [E, 1] (global = amax / 2688; dequant =
+        e2m1 * block_scale * global).
+
+        A [E, 2] ``w13_weight_scale_2`` (separate gate and up globals) must
+        hold equal columns: the prepacked w13 has one global per expert and
+        exact requantization to a common (max) global is impossible (the E4M3
+        block scales would need more mantissa bits), so unequal globals raise
+        ValueError rather than silently losing accuracy.
+
+        Optional shared expert: ``shared_gate_proj``, ``shared_up_proj``,
+        ``shared_down_proj``, each a ModelOpt Linear's (weight, weight_scale,
+        weight_scale_2) triple; gate and up must have equal weight_scale_2.
+        Router arguments as in :meth:`from_bf16`.
+        """
+        where = ".from_modelopt"
+        w13 = _check_tensor(w13_weight, where, "w13_weight", 3, floating=False)
+        w2 = _check_tensor(w2_weight, where, "w2_weight", 3, floating=False)
+        e, two_i, h_half = w13.shape
+        h, i = 2 * h_half, two_i // 2
+        if two_i % 2 or two_i == 0:
+            raise ValueError(_err(where, "w13_weight", f"must have shape [E, 2I, H/2], got {list(w13.shape)}"))
+        _check_shape(w2, (e, h, i // 2), where, "w2_weight")
+        s13 = _scale_codes(w13_weight_scale, where, "w13_weight_scale")
+        s2 = _scale_codes(w2_weight_scale, where, "w2_weight_scale")
+        _check_shape(s13, (e, two_i, h // 16), where, "w13_weight_scale")
+        _check_shape(s2, (e, h, i // 16), where, "w2_weight_scale")
+        g13 = _per_expert_global(w13_weight_scale_2, e, where, "w13_weight_scale_2", allow_pair=True)
+        g2 = _per_expert_global(w2_weight_scale_2, e, where, "w2_weight_scale_2", allow_pair=False)
+        shared = (shared_gate_proj, shared_up_proj, shared_down_proj)
+        if any(t is not None for t in shared) and any(t is None for t in shared):
+            raise ValueError(_err(where, "shared_gate_proj", _ALL_OR_NONE))
+        shared_i = None
+        if shared_gate_proj is not None:
+            gw, gs, gg = _split_triplet(shared_gate_proj, where, "shared_gate_proj")
+            uw, us, ug = _split_triplet(shared_up_proj, where, "shared_up_proj")
+            dw, ds, dg = _split_triplet(shared_down_proj, where, "shared_down_proj")
+            gw = _check_tensor(gw, where, "shared_gate_proj", 2, floating=False)
+            shared_i = gw.shape[0]
+            _check_shape(gw, (shared_i, h // 2), where, "shared_gate_proj")
+            _check_shape(_check_tensor(uw, where, "shared_up_proj", 2, floating=False), (shared_i, h // 2), where,
+                         "shared_up_proj")
+            _check_shape(_check_tensor(dw, where, "shared_down_proj", 2, floating=False), (h, shared_i // 2), where,
+                         "shared_down_proj")
+            gs, us, ds = (_scale_codes(s, where, n) for s, n in
+                          ((gs, "shared_gate_proj"), (us, "shared_up_proj"), (ds, "shared_down_proj")))
+            gg, ug, dg = (_scalar_global(g, where, n) for g, n in
+                          ((gg, "shared_gate_proj"), (ug, "shared_up_proj"), (dg, "shared_down_proj")))
+            if not torch.equal(gg, ug):
+                raise ValueError(_err(
+                    where, "shared_up_proj",
+                    f"has weight_scale_2 {ug.item()!r} but shared_gate_proj has {gg.item()!r}; the fused gate+up "
+                    "weight has one global scale and the NVFP4 codes cannot be requantized to a common one without "
+                    "loss, so gate and up must share their weight_scale_2",
+                ))
+            shared_w13, shared_s13 = torch.cat([gw, uw]), torch.cat([gs, us])
+        cfg = cls._router_config(where, router_weight, e_score_correction_bias, mode, tid2eid, None)
+        cfg["device"] = w13.device
+        mod = cls(h, i, e, k, score_func=score_func, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+                  routed_scaling_factor=routed_scaling_factor, swiglu_limit=swiglu_limit,
+                  shared_intermediate_size=shared_i, **cfg)
+        with torch.no_grad():
+            if mod.shared_fused:
+                w13 = torch.cat([w13, shared_w13.unsqueeze(0)])
+                s13 = torch.cat([s13, shared_s13.unsqueeze(0)])
+                g13 = torch.cat([g13, gg.reshape(1)])
+                w2 = torch.cat([w2, dw.unsqueeze(0)])
+                s2 = torch.cat([s2, ds.unsqueeze(0)])
+                g2 = torch.cat([g2, dg.reshape(1)])
+            mod._load_experts(w13, s13, g13, w2, s2, g2)
+            if shared_i is not None and not mod.shared_fused:
+                mod.shared_gate_up.load_state_dict(Nvfp4Linear.from_modelopt(shared_w13, shared_s13, gg).state_dict())
+                mod.shared_down.load_state_dict(Nvfp4Linear.from_modelopt(dw, ds, dg).state_dict())
+            mod._load_router(router_weight.detach().to(mod.router.weight.device), e_score_correction_bias, tid2eid,
+                             where)
+        return mod
+
+    # ---- forward ----------------------------------------------------------
+
+    def _swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
+        limit = self.swiglu_limit
+        if limit is not None:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(-limit, limit)
+        return F.silu(gate) * up
+
+    def _shared_unfused(self, x: Tensor) -> Tensor:
+        gate_up = self.shared_gate_up(x).float()
+        gate, up = gate_up.split(self.shared_intermediate_size, dim=-1)
+        return self.shared_down(self._swiglu(gate, up).to(x.dtype))
+
+    def forward(self, hidden_states: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """hidden_states [..., H] (bf16/fp16; fp32 on CPU) and, in hash mode,
+        token_ids [...] (int64/int32) -> [..., H] in hidden_states' dtype.
+
+        Routing sees hidden_states in the gate weight's dtype (fp16 input is
+        cast to bf16 for the gate GEMM)."""
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"Nvfp4MoE: argument 'hidden_states' must have shape [..., {self.hidden_size}], "
+                f"got {list(hidden_states.shape)}"
+            )
+        if self.mode == "hash":
+            if token_ids is None:
+                raise ValueError("Nvfp4MoE: argument 'token_ids' is required in hash mode")
+            if token_ids.shape != hidden_states.shape[:-1]:
+                raise ValueError(
+                    f"Nvfp4MoE: argument 'token_ids' must have shape {list(hidden_states.shape[:-1])} "
+                    f"(hidden_states' leading dimensions), got {list(token_ids.shape)}"
+                )
+            token_ids = token_ids.reshape(-1)
+        x = hidden_states.reshape(-1, self.hidden_size)
+        gate_in = x if x.dtype == self.router.weight.dtype else x.to(self.router.weight.dtype)
+        weights, ids = self.router(gate_in, token_ids)
+        if self.shared_fused:
+            # The shared expert is expert E: one more slot per token, weight 1.
+            ids = torch.cat([ids, torch.full_like(ids[:, :1], self.n_experts)], dim=1)
+            weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+        y = nvfp4_moe(x, weights, ids, self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale,
+                      self.w2_global, self.swiglu_limit)
+        if self.shared_gate_up is not None:
+            y = y + self._shared_unfused(x)
+        return y.view(hidden_states.shape)
+
+    # ---- module plumbing ----------------------------------------------------
+
+    def _apply(self, fn, recurse=True):
+        # Dtypes are part of the format (uint8 codes, float32 globals, the
+        # gate weight's dtype): keep them through .to(dtype) / .half(), move
+        # devices only. The originals are kept (detached views) so a lossy
+        # cast is never undone from its result.
+        before = {name: t.detach() for name, t in
+                  itertools.chain(self.named_parameters(), self.named_buffers()) if t is not None}
+        super()._apply(fn, recurse)
+        for name, t in list(itertools.chain(self.named_parameters(), self.named_buffers())):
+            old = before.get(name)
+            if old is None or t.dtype == old.dtype:
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(owner_name) if owner_name else self
+            restored = old.to(device=t.device)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = nn.Parameter(restored, requires_grad=t.requires_grad)
+            else:
+                owner._buffers[leaf] = restored
+        return self
+
+    def extra_repr(self) -> str:
+        if self.shared_intermediate_size is None:
+            shared = "none"
+        else:
+            how = f"fused as expert {self.n_experts}" if self.shared_fused else "separate Nvfp4Linear"
+            shared = f"{self.shared_intermediate_size} ({how})"
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"n_experts={self.n_experts}, k={self.k}, mode={self.mode}, swiglu_limit={self.swiglu_limit}, "
+            f"shared_expert={shared}, format=nvfp4 (W4A16, group 16, prepacked), device={self.w13.device}"
+        )
