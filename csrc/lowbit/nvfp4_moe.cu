@@ -9,6 +9,8 @@
 //      the sorted order; the epilogue applies the global scale and the
 //      clamped SwiGLU (gate and up of one column are rows r and r + 8 of the
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
+//      With many rows per expert (plan()) the wide variant takes 128 W rows
+//      per CTA with x staged in shared memory.
 //   3. down: the same over K = I with h's rows, writing each pair's expert
 //      output (x's dtype) in sorted order.
 //   4. combine: one CTA per token adds its k expert outputs times their
@@ -189,6 +191,95 @@ __global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_down_
   }
 }
 
+// Wide variants for experts with many rows (nvfp4_mma.cuh, wide_mainloop):
+// one CTA per (work item of 8 MT rows, 128 rows of W), warp w on W tile
+// 8 blockIdx.y + w; each lane ends with whole sums, so the epilogue reads its
+// own accumulators: c[0..1] are W row g at x rows 2t, 2t+1 of the m-tile,
+// c[2..3] W row g + 8 (in the up kernel: gate and up of column 8 nt + g).
+template <typename T, int MT>
+__device__ __forceinline__ void wide_sources(const T* (&xsrc)[MT / 2], const T* base, const int32_t* sorted_token,
+                                             const Item& it, int64_t row_elems) {
+#pragma unroll
+  for (int j = 0; j < MT / 2; ++j) {
+    const int r = min(int(threadIdx.x) / 16 + 16 * j, it.rows - 1);
+    const int64_t row = sorted_token ? sorted_token[it.row + r] : it.row + r;
+    xsrc[j] = base + row * row_elems + (threadIdx.x % 16) * 8;
+  }
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
+    const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
+    const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
+  const Item it = items[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t ntiles = 2 * inter / 16;
+  const int64_t nt = int64_t(blockIdx.y) * 8 + warp;
+  const bool active = nt < ntiles;
+  const int64_t tiles_k = padded_k(h) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
+  const T* xsrc[MT / 2];
+  wide_sources<T, MT>(xsrc, x, sorted_token, it, h);
+  __shared__ gemm::mma::WideSmem<T, MT> sm;
+  float acc[MT][4];
+  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
+                                  reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16),
+                                  reinterpret_cast<const uint4*>(s13) + tile_row * tiles_k * (kTileScaleBytes / 16),
+                                  active, h);
+  if (!active) return;
+  const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int mc = mt * 8 + 2 * t + i;
+      if (mc >= it.rows) continue;
+      float gate = acc[mt][i] * gs, up = acc[mt][2 + i] * gs;
+      if (has_limit) {
+        gate = gate > limit ? limit : gate;
+        up = up > limit ? limit : (up < -limit ? -limit : up);
+      }
+      act[int64_t(it.row + mc) * inter + nt * 8 + g] = cuda::from_float<T>(gate / (1.f + expf(-gate)) * up);
+    }
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
+    const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
+    const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
+    T* __restrict__ expert_out, int64_t h, int64_t inter) {
+  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
+  const Item it = items[blockIdx.x];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t ntiles = h / 16;
+  const int64_t nt = int64_t(blockIdx.y) * 8 + warp;
+  const bool active = nt < ntiles;
+  const int64_t tiles_k = padded_k(inter) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
+  const T* xsrc[MT / 2];
+  wide_sources<T, MT>(xsrc, act, nullptr, it, inter);
+  __shared__ gemm::mma::WideSmem<T, MT> sm;
+  float acc[MT][4];
+  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
+                                  reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16),
+                                  reinterpret_cast<const uint4*>(s2) + tile_row * tiles_k * (kTileScaleBytes / 16),
+                                  active, inter);
+  if (!active) return;
+  const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int mc = mt * 8 + 2 * t + i;
+      if (mc >= it.rows) continue;
+      T* o = expert_out + int64_t(it.row + mc) * h + nt * 16 + g;
+      o[0] = cuda::from_float<T>(acc[mt][i] * gs);
+      o[8] = cuda::from_float<T>(acc[mt][2 + i] * gs);
+    }
+}
+
 // out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order.
 template <typename T>
 __global__ void moe_combine_kernel(const T* __restrict__ expert_out, const int32_t* __restrict__ slot_pos,
@@ -209,12 +300,22 @@ __global__ void moe_combine_kernel(const T* __restrict__ expert_out, const int32
   }
 }
 
-// Rows per work item: 8 MT, from the mean rows per expert that can get any.
-int m_tiles(const MoeArgs& a) {
+// Kernel plan from the mean rows per expert that can get any: few rows ->
+// the narrow kernels (warps split K, one 16-row W tile per CTA, x from
+// global memory); many -> the wide kernels (x staged in shared memory and
+// shared by 128 W rows). Work items hold at most 8 MT rows.
+struct Plan {
+  bool wide;
+  int mt;
+};
+Plan plan(const MoeArgs& a) {
   const int64_t slots = a.m * a.k;
   const int64_t active = std::min<int64_t>(a.e, slots);
   const int64_t mean = active > 0 ? slots / active : 0;
-  return mean <= 8 ? 1 : (mean <= 16 ? 2 : 4);
+  if (mean <= 8) return {false, 1};
+  if (mean <= 16) return {false, 2};
+  if (mean <= 40) return {true, 4};
+  return {true, 8};
 }
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -232,7 +333,7 @@ struct Workspace {
 
 Workspace carve(const MoeArgs& a, char* base) {
   const int64_t slots = a.m * a.k;
-  const int64_t chunk = 8 * m_tiles(a);
+  const int64_t chunk = 8 * plan(a).mt;
   Workspace w{};
   w.max_items = std::min<int64_t>(a.e, slots) + slots / chunk;
   int64_t off = 0;
@@ -251,7 +352,7 @@ Workspace carve(const MoeArgs& a, char* base) {
   return w;
 }
 
-template <typename T, int MT>
+template <typename T, int MT, bool kWide>
 cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   const int64_t slots = a.m * a.k;
   moe_align_kernel<<<1, kAlignThreads, a.e * sizeof(int32_t), stream>>>(
@@ -260,13 +361,25 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   T* act = static_cast<T*>(ws.act);
   T* expert_out = static_cast<T*>(ws.expert_out);
+  const T* x = static_cast<const T*>(a.x);
   if (ws.max_items > 0) {
-    moe_up_kernel<T, MT><<<dim3(unsigned(ws.max_items), unsigned(2 * a.inter / 16)), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act,
-        a.h, a.inter, a.has_limit, a.swiglu_limit);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    moe_down_kernel<T, MT><<<dim3(unsigned(ws.max_items), unsigned(a.h / 16)), kThreads, 0, stream>>>(
-        act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
+    const unsigned items = static_cast<unsigned>(ws.max_items);
+    const int64_t up_tiles = 2 * a.inter / 16, down_tiles = a.h / 16;
+    if constexpr (kWide) {
+      moe_up_wide_kernel<T, MT><<<dim3(items, unsigned(cuda::ceil_div(up_tiles, 8))), kThreads, 0, stream>>>(
+          x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
+          a.has_limit, a.swiglu_limit);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+      moe_down_wide_kernel<T, MT><<<dim3(items, unsigned(cuda::ceil_div(down_tiles, 8))), kThreads, 0, stream>>>(
+          act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
+    } else {
+      moe_up_kernel<T, MT><<<dim3(items, unsigned(up_tiles)), kThreads, 0, stream>>>(
+          x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
+          a.has_limit, a.swiglu_limit);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+      moe_down_kernel<T, MT><<<dim3(items, unsigned(down_tiles)), kThreads, 0, stream>>>(
+          act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
+    }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   const int threads = static_cast<int>(std::min<int64_t>(256, (a.h / 8 + 31) / 32 * 32));
@@ -277,11 +390,9 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_typed(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  switch (m_tiles(a)) {
-    case 1: return launch<T, 1>(a, ws, stream);
-    case 2: return launch<T, 2>(a, ws, stream);
-    default: return launch<T, 4>(a, ws, stream);
-  }
+  const Plan p = plan(a);
+  if (!p.wide) return p.mt == 1 ? launch<T, 1, false>(a, ws, stream) : launch<T, 2, false>(a, ws, stream);
+  return p.mt == 4 ? launch<T, 4, true>(a, ws, stream) : launch<T, 8, true>(a, ws, stream);
 }
 
 }  // namespace
