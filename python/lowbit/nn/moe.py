@@ -399,7 +399,9 @@ class Nvfp4MoE(nn.Module):
         Optional shared expert: ``shared_gate_proj``, ``shared_up_proj``,
         ``shared_down_proj``, each a ModelOpt Linear's (weight, weight_scale,
         weight_scale_2) triple; gate and up must have equal weight_scale_2.
-        Router arguments as in :meth:`from_bf16`.
+        Router arguments as in :meth:`from_bf16`. ModelOpt's ``input_scale``
+        (activation quantization, W4A4) is not used: activations stay in
+        bf16/fp16 (W4A16).
         """
         where = ".from_modelopt"
         w13 = _check_tensor(w13_weight, where, "w13_weight", 3, floating=False)
