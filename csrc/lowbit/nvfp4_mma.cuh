@@ -149,10 +149,11 @@ template <int MT> constexpr int kStages = MT == 1 ? 3 : 2;
 // CTAs per SM the kernels are compiled for (register budget).
 template <int MT> constexpr int kMinBlocks = MT <= 2 ? 2 : 1;
 
-// One warp's share of a 16-row W tile: k-tiles kc_begin + warp, + kWarps, ...
+// One warp's share of a 16-row W tile: k-tiles kc_begin + warp, + kW, ...
+// (kW warps share the tile)
 // below kc_end, accumulated into acc (16 W rows x 8 MT x rows, mma C layout).
 // wtiles / stiles point at the tile row's first k-tile.
-template <typename T, int MT>
+template <typename T, int MT, int kW = kWarps>
 __device__ __forceinline__ void warp_mainloop(float (&acc)[MT][4], const uint4* __restrict__ wtiles,
                                               const uint4* __restrict__ stiles, const T* const (&xrow)[MT],
                                               int64_t k, int64_t kc_begin, int64_t kc_end, int warp, int lane) {
@@ -169,22 +170,22 @@ __device__ __forceinline__ void warp_mainloop(float (&acc)[MT][4], const uint4* 
   if constexpr (kStages<MT> == 3) {
     Stage<MT> s0, s1, s2;
     load(s0, kc0);
-    load(s1, kc0 + kWarps);
-    for (int64_t kc = kc0; kc < kc_end; kc += 3 * kWarps) {
-      load(s2, kc + 2 * kWarps);
+    load(s1, kc0 + kW);
+    for (int64_t kc = kc0; kc < kc_end; kc += 3 * kW) {
+      load(s2, kc + 2 * kW);
       compute_stage<T, MT>(s0, acc);
-      if (kc + kWarps >= kc_end) break;
-      load(s0, kc + 3 * kWarps);
+      if (kc + kW >= kc_end) break;
+      load(s0, kc + 3 * kW);
       compute_stage<T, MT>(s1, acc);
-      if (kc + 2 * kWarps >= kc_end) break;
-      load(s1, kc + 4 * kWarps);
+      if (kc + 2 * kW >= kc_end) break;
+      load(s1, kc + 4 * kW);
       compute_stage<T, MT>(s2, acc);
     }
   } else {
     Stage<MT> cur, nxt;
     load(cur, kc0);
-    for (int64_t kc = kc0; kc < kc_end; kc += kWarps) {
-      load(nxt, kc + kWarps);
+    for (int64_t kc = kc0; kc < kc_end; kc += kW) {
+      load(nxt, kc + kW);
       compute_stage<T, MT>(cur, acc);
       cur = nxt;
     }
@@ -192,9 +193,9 @@ __device__ __forceinline__ void warp_mainloop(float (&acc)[MT][4], const uint4* 
 }
 
 // The warps' fragments, summed in a fixed order (deterministic).
-template <int MT>
+template <int MT, int kW = kWarps>
 struct CtaPartials {
-  float v[kWarps][MT][4][32];
+  float v[kW][MT][4][32];
 
   // Every warp stores its fragments; the caller synchronizes before sum().
   __device__ __forceinline__ void store(const float (&acc)[MT][4], int warp, int lane) {
@@ -209,7 +210,7 @@ struct CtaPartials {
     const int src_lane = (r % 8) * 4 + col / 2, reg = (r / 8) * 2 + (col % 2);
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += v[w][mt][reg][src_lane];
+    for (int w = 0; w < kW; ++w) s += v[w][mt][reg][src_lane];
     return s;
   }
 };

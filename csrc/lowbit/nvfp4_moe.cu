@@ -117,9 +117,12 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
   }
 }
 
+// Narrow kernels: W warps (32 W threads) share one 16-row W tile.
+template <int W> constexpr int kNarrowMinBlocks = gemm::mma::kWarps / W * 2;
+
 // Up projection + SwiGLU. grid: (work items upper bound, 2I / 16).
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_up_kernel(
+template <typename T, int MT, int W>
+__global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_up_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
     const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
@@ -138,13 +141,13 @@ __global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_up_ke
     xrow[mt] = x + int64_t(sorted_token[it.row + r]) * h + (lane % 4) * 4;
   }
   float acc[MT][4];
-  gemm::mma::warp_mainloop<T, MT>(acc, wbase, sbase, xrow, h, 0, tiles_k, warp, lane);
+  gemm::mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, h, 0, tiles_k, warp, lane);
 
-  __shared__ gemm::mma::CtaPartials<MT> partial;
+  __shared__ gemm::mma::CtaPartials<MT, W> partial;
   partial.store(acc, warp, lane);
   __syncthreads();
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
-  for (int e = threadIdx.x; e < 8 * 8 * MT; e += kThreads) {
+  for (int e = threadIdx.x; e < 8 * 8 * MT; e += 32 * W) {
     const int c = e % 8, mc = e / 8;
     if (mc >= it.rows) continue;
     float gate = partial.sum(c, mc) * gs, up = partial.sum(c + 8, mc) * gs;
@@ -158,8 +161,8 @@ __global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_up_ke
 }
 
 // Down projection. grid: (work items upper bound, H / 16).
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_down_kernel(
+template <typename T, int MT, int W>
+__global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
     const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
     const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
@@ -178,13 +181,13 @@ __global__ void __launch_bounds__(kThreads, gemm::mma::kMinBlocks<MT>) moe_down_
     xrow[mt] = act + int64_t(it.row + r) * inter + (lane % 4) * 4;
   }
   float acc[MT][4];
-  gemm::mma::warp_mainloop<T, MT>(acc, wbase, sbase, xrow, inter, 0, tiles_k, warp, lane);
+  gemm::mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, inter, 0, tiles_k, warp, lane);
 
-  __shared__ gemm::mma::CtaPartials<MT> partial;
+  __shared__ gemm::mma::CtaPartials<MT, W> partial;
   partial.store(acc, warp, lane);
   __syncthreads();
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
-  for (int e = threadIdx.x; e < 16 * 8 * MT; e += kThreads) {
+  for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
     const int r = e % 16, mc = e / 16;
     if (mc >= it.rows) continue;
     expert_out[int64_t(it.row + mc) * h + nt * 16 + r] = cuda::from_float<T>(partial.sum(r, mc) * gs);
@@ -352,7 +355,13 @@ Workspace carve(const MoeArgs& a, char* base) {
   return w;
 }
 
-template <typename T, int MT, bool kWide>
+// Warps sharing a 16-row W tile in the narrow kernels. Fewer warps per tile
+// give each warp a longer run of k-tiles (the pipeline fill and the CTA's
+// reduction are paid per CTA); H100, DSV4-Flash M = 64: 8 warps 1478 us,
+// 4 warps 1218 us, 2 warps 1171 us (docs/PERF.md).
+constexpr int kNarrowWarps = 2;
+
+template <typename T, int MT, bool kWide, int W = kNarrowWarps>
 cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   const int64_t slots = a.m * a.k;
   moe_align_kernel<<<1, kAlignThreads, a.e * sizeof(int32_t), stream>>>(
@@ -373,11 +382,11 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
       moe_down_wide_kernel<T, MT><<<dim3(items, unsigned(cuda::ceil_div(down_tiles, 8))), kThreads, 0, stream>>>(
           act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
     } else {
-      moe_up_kernel<T, MT><<<dim3(items, unsigned(up_tiles)), kThreads, 0, stream>>>(
+      moe_up_kernel<T, MT, W><<<dim3(items, unsigned(up_tiles)), 32 * W, 0, stream>>>(
           x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
           a.has_limit, a.swiglu_limit);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_kernel<T, MT><<<dim3(items, unsigned(down_tiles)), kThreads, 0, stream>>>(
+      moe_down_kernel<T, MT, W><<<dim3(items, unsigned(down_tiles)), 32 * W, 0, stream>>>(
           act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
