@@ -151,7 +151,7 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at
   auto p13 = w13.contiguous(), s13 = w13_scale.contiguous(), g13 = w13_global.contiguous();
   auto p2 = w2.contiguous(), s2 = w2_scale.contiguous(), g2 = w2_global.contiguous();
   at::Tensor xf = x.to(at::kFloat);
-  at::Tensor wf = topk_weights.to(at::kFloat);
+  at::Tensor wf = topk_weights.to(at::kFloat).reshape({-1});
   at::Tensor out = at::zeros({m, h}, x.options().dtype(at::kFloat));
   const int32_t* id = ids.data_ptr<int32_t>();
   std::vector<std::vector<int64_t>> pairs(experts);  // flat slot indices per expert, in slot order
@@ -173,7 +173,7 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at
     }
     at::Tensor act = (at::silu(gate) * up).to(x.scalar_type()).to(at::kFloat);
     at::Tensor y = at::matmul(act, dequantize_expert(p2, s2, g2, e, inter).t());
-    out.index_add_(0, token, y * wf.view({-1}).index_select(0, slot).unsqueeze(1));
+    out.index_add_(0, token, y * wf.index_select(0, slot).unsqueeze(1));
   }
   return out.to(x.scalar_type());
 }
