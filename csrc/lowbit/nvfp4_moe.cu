@@ -120,16 +120,16 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
 // Narrow kernels: W warps (32 W threads) share one 16-row W tile.
 template <int W> constexpr int kNarrowMinBlocks = gemm::mma::kWarps / W * 2;
 
-// Up projection + SwiGLU. grid: (work items upper bound, 2I / 16).
+// Up projection + SwiGLU. grid: (2I / 16, work items upper bound).
 template <typename T, int MT, int W>
 __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_up_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
     const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
-  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
-  const Item it = items[blockIdx.x];
+  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
+  const Item it = items[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t nt = blockIdx.y;  // intermediate columns 8 nt .. 8 nt + 7
+  const int64_t nt = blockIdx.x;  // intermediate columns 8 nt .. 8 nt + 7
   const int64_t tiles_k = padded_k(h) / kTileK;
   const int64_t tile_row = int64_t(it.expert) * (2 * inter / 16) + nt;
   const uint4* wbase = reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16);
@@ -160,16 +160,16 @@ __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_up_kernel(
   }
 }
 
-// Down projection. grid: (work items upper bound, H / 16).
+// Down projection. grid: (H / 16, work items upper bound).
 template <typename T, int MT, int W>
 __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
     const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
     const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
-  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
-  const Item it = items[blockIdx.x];
+  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
+  const Item it = items[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t nt = blockIdx.y;
+  const int64_t nt = blockIdx.x;
   const int64_t tiles_k = padded_k(inter) / kTileK;
   const int64_t tile_row = int64_t(it.expert) * (h / 16) + nt;
   const uint4* wbase = reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16);
@@ -195,8 +195,8 @@ __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
 }
 
 // Wide variants for experts with many rows (nvfp4_mma.cuh, wide_mainloop):
-// one CTA per (work item of 8 MT rows, 128 rows of W), warp w on W tile
-// 8 blockIdx.y + w; each lane ends with whole sums, so the epilogue reads its
+// one CTA per (128 rows of W, work item of 8 MT rows), warp w on W tile
+// 8 blockIdx.x + w; each lane ends with whole sums, so the epilogue reads its
 // own accumulators: c[0..1] are W row g at x rows 2t, 2t+1 of the m-tile,
 // c[2..3] W row g + 8 (in the up kernel: gate and up of column 8 nt + g).
 template <typename T, int MT>
@@ -215,11 +215,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
     const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
-  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
-  const Item it = items[blockIdx.x];
+  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
+  const Item it = items[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t ntiles = 2 * inter / 16;
-  const int64_t nt = int64_t(blockIdx.y) * 8 + warp;
+  const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
   const bool active = nt < ntiles;
   const int64_t tiles_k = padded_k(h) / kTileK;
   const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
@@ -253,11 +253,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
     const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
     const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
-  if (static_cast<int32_t>(blockIdx.x) >= *num_items) return;
-  const Item it = items[blockIdx.x];
+  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
+  const Item it = items[blockIdx.y];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t ntiles = h / 16;
-  const int64_t nt = int64_t(blockIdx.y) * 8 + warp;
+  const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
   const bool active = nt < ntiles;
   const int64_t tiles_k = padded_k(inter) / kTileK;
   const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
@@ -375,18 +375,18 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
     const unsigned items = static_cast<unsigned>(ws.max_items);
     const int64_t up_tiles = 2 * a.inter / 16, down_tiles = a.h / 16;
     if constexpr (kWide) {
-      moe_up_wide_kernel<T, MT><<<dim3(items, unsigned(cuda::ceil_div(up_tiles, 8))), kThreads, 0, stream>>>(
+      moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(up_tiles, 8)), items), kThreads, 0, stream>>>(
           x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
           a.has_limit, a.swiglu_limit);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_wide_kernel<T, MT><<<dim3(items, unsigned(cuda::ceil_div(down_tiles, 8))), kThreads, 0, stream>>>(
+      moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(down_tiles, 8)), items), kThreads, 0, stream>>>(
           act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
     } else {
-      moe_up_kernel<T, MT, W><<<dim3(items, unsigned(up_tiles)), 32 * W, 0, stream>>>(
+      moe_up_kernel<T, MT, W><<<dim3(unsigned(up_tiles), items), 32 * W, 0, stream>>>(
           x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
           a.has_limit, a.swiglu_limit);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_kernel<T, MT, W><<<dim3(items, unsigned(down_tiles)), 32 * W, 0, stream>>>(
+      moe_down_kernel<T, MT, W><<<dim3(unsigned(down_tiles), items), 32 * W, 0, stream>>>(
           act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -407,10 +407,12 @@ cudaError_t launch_typed(const MoeArgs& a, const Workspace& ws, cudaStream_t str
 }  // namespace
 
 int64_t moe_workspace_bytes(const MoeArgs& a) { return carve(a, nullptr).bytes; }
+int64_t moe_max_work_items(const MoeArgs& a) { return carve(a, nullptr).max_items; }
 
 cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream) {
   if (a.m == 0) return cudaSuccess;
   const Workspace ws = carve(a, static_cast<char*>(workspace));
+  if (ws.max_items > kMaxWorkItems) return cudaErrorInvalidConfiguration;
   if (a.dtype == DType::kBFloat16) return launch_typed<__nv_bfloat16>(a, ws, stream);
   if (a.dtype == DType::kFloat16) return launch_typed<__half>(a, ws, stream);
   return cudaErrorInvalidValue;

@@ -48,6 +48,9 @@ struct MoeArgs {
 // Workspace the launcher needs, in bytes, for this problem (caller allocates
 // it, 256-byte aligned, from a stream-ordered allocator).
 int64_t moe_workspace_bytes(const MoeArgs& args);
+// Upper bound on work items (grid dimension y, so at most kMaxWorkItems).
+int64_t moe_max_work_items(const MoeArgs& args);
+constexpr int64_t kMaxWorkItems = 65535;
 cudaError_t moe_cuda(const MoeArgs& args, void* workspace, cudaStream_t stream);
 #endif
 

@@ -56,6 +56,9 @@ at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const a
   a.e = w13.size(0);
   a.h = h;
   a.inter = w13.size(1) / 2;
+  TORCH_CHECK_VALUE(nvfp4::moe::moe_max_work_items(a) <= nvfp4::moe::kMaxWorkItems,
+                    "lowbit.nvfp4_moe: M * k = ", m * a.k, " (token, expert) pairs need more than ",
+                    nvfp4::moe::kMaxWorkItems, " work items on CUDA; split 'x' into smaller batches");
   at::Tensor workspace = at::empty({nvfp4::moe::moe_workspace_bytes(a)}, x.options().dtype(at::kByte));
   C10_CUDA_CHECK(nvfp4::moe::moe_cuda(a, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return out;
