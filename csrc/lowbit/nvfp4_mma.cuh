@@ -219,17 +219,23 @@ struct CtaPartials {
 // ---- wide CTA (many rows of x) ---------------------------------------------
 // 8 warps over 8 consecutive 16-row W tiles (128 rows of W), all sharing the
 // activations of 8 MT rows of x: each 128-column k-tile of x is staged once
-// per CTA in shared memory (cp.async, double buffered, rows padded by 32
-// bytes so the 8-byte fragment reads of a half-warp hit distinct banks) and read
-// by all 8 warps, so x is read once per 128 W rows instead of once per 16.
-// Every warp sums the whole K range itself: no cross-warp reduction.
+// per CTA in shared memory and read by all 8 warps, so x is read once per
+// 128 W rows instead of once per 16. Each warp stages its own W tile beside
+// it. A ring of kWideStages k-tiles is filled with cp.async (two tiles in
+// flight while one is computed, one CTA barrier per k-tile); x rows are
+// padded by 32 bytes so the 8-byte fragment reads of a half-warp hit
+// distinct banks. Every warp sums the whole K range itself: no cross-warp
+// reduction.
 
 constexpr int kWideRowElems = kTileK + 16;  // padded row: 72 words, lanes g / g+1 8 banks apart
+constexpr int kWideStages = 3;
+constexpr int kTileChunks = (kTileBytes + kTileScaleBytes) / 16;  // 72: codes, then scales
 
 template <typename T, int MT>
 struct WideSmem {
-  static_assert(MT % 2 == 0, "each thread stages MT / 2 16-byte chunks per k-tile");
-  T x[2][8 * MT][kWideRowElems];
+  static_assert(MT % 2 == 0, "each thread stages MT / 2 16-byte chunks of x per k-tile");
+  T x[kWideStages][8 * MT][kWideRowElems];
+  uint4 w[kWideStages][kWarps][kTileChunks];
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -240,77 +246,69 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-struct WTile {
-  uint4 w[2];
-  uint4 s;
-};
-
 // xsrc[j]: this thread's staged row j (x row threadIdx.x / 16 + 16 j of the
 // CTA, clamped to a valid row by the caller) at column 8 (threadIdx.x % 16).
 // wtiles / stiles: this warp's W tile row (ignored when !warp_active, for
 // warps past N). Columns >= k are staged as zeros (the weight's padding
-// codes are zero, and 0 * stale data could be NaN).
+// codes are zero, and 0 * stale data could be NaN). sm: dynamic shared
+// memory of sizeof(WideSmem<T, MT>) bytes.
 template <typename T, int MT>
 __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, MT>& sm,
                                               const T* const (&xsrc)[MT / 2], const uint4* __restrict__ wtiles,
                                               const uint4* __restrict__ stiles, bool warp_active, int64_t k) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
   const int64_t tiles_k = padded_k(k) / kTileK;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-  auto stage_x = [&](int buf, int64_t kc) {
-    const bool valid = kc * kTileK + chunk * 8 < k;  // xsrc already points at column 8 chunk
+  // One commit group per k-tile (empty past the end), so wait_group counts stay uniform.
+  auto stage = [&](int buf, int64_t kc) {
+    if (kc < tiles_k) {
+      const bool valid = kc * kTileK + chunk * 8 < k;  // xsrc already points at column 8 chunk
 #pragma unroll
-    for (int j = 0; j < MT / 2; ++j)
-      cp_async16(&sm.x[buf][row0 + 16 * j][chunk * 8], xsrc[j] + (valid ? kc * kTileK : 0), valid);
-    cp_async_commit();
-  };
-  auto load_w = [&](WTile& wt, int64_t kc) {
-    if (!warp_active) return;
-    const uint4* wp = wtiles + kc * (kTileBytes / 16);
-    wt.w[0] = __ldg(wp + lane);
-    wt.w[1] = __ldg(wp + 32 + lane);
-    wt.s = __ldg(stiles + kc * (kTileScaleBytes / 16) + lane / 4);
-  };
-  WTile cur, nxt;
-  stage_x(0, 0);
-  load_w(cur, 0);
-  for (int64_t kc = 0; kc < tiles_k; ++kc) {
-    const int buf = static_cast<int>(kc & 1);
-    if (kc + 1 < tiles_k) {
-      stage_x(buf ^ 1, kc + 1);
-      load_w(nxt, kc + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (warp_active) {
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(cur.w);
-      const uint32_t* s = reinterpret_cast<const uint32_t*>(&cur.s);
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
-        uint32_t a[4];
-        Mma<T>::decode(w[kt], a);
-        const uint32_t sw = s[kt / 2];
-        const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);
-        const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);
-        a[0] = Mma<T>::mul(a[0], mult_lo);
-        a[1] = Mma<T>::mul(a[1], mult_hi);
-        a[2] = Mma<T>::mul(a[2], mult_lo);
-        a[3] = Mma<T>::mul(a[3], mult_hi);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[buf][mt * 8 + g][kt * 16 + t * 4]);
-          Mma<T>::mma(acc[mt], a, b.x, b.y);
-        }
+      for (int j = 0; j < MT / 2; ++j)
+        cp_async16(&sm.x[buf][row0 + 16 * j][chunk * 8], xsrc[j] + (valid ? kc * kTileK : 0), valid);
+      if (warp_active) {
+        const uint4* wp = wtiles + kc * (kTileBytes / 16);
+        cp_async16(&sm.w[buf][warp][lane], wp + lane, true);
+        cp_async16(&sm.w[buf][warp][32 + lane], wp + 32 + lane, true);
+        if (lane < kTileScaleBytes / 16)
+          cp_async16(&sm.w[buf][warp][64 + lane], stiles + kc * (kTileScaleBytes / 16) + lane, true);
       }
     }
-    __syncthreads();  // buffer buf is restaged at kc + 2
-    cur = nxt;
+    cp_async_commit();
+  };
+  stage(0, 0);
+  stage(1, 1);
+  for (int64_t kc = 0; kc < tiles_k; ++kc) {
+    const int buf = static_cast<int>(kc % kWideStages);
+    cp_async_wait<kWideStages - 2>();  // this thread's copies of tile kc have landed
+    __syncthreads();                   // everyone's have; and tile kc - 1's buffer is free
+    stage(static_cast<int>((kc + 2) % kWideStages), kc + 2);
+    if (!warp_active) continue;
+    const uint4 w0 = sm.w[buf][warp][lane], w1 = sm.w[buf][warp][32 + lane];
+    const uint4 sc = sm.w[buf][warp][64 + lane / 4];
+    const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t a[4];
+      Mma<T>::decode(w[kt], a);
+      const uint32_t sw = s[kt / 2];
+      const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);
+      const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);
+      a[0] = Mma<T>::mul(a[0], mult_lo);
+      a[1] = Mma<T>::mul(a[1], mult_hi);
+      a[2] = Mma<T>::mul(a[2], mult_lo);
+      a[3] = Mma<T>::mul(a[3], mult_hi);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[buf][mt * 8 + g][kt * 16 + t * 4]);
+        Mma<T>::mma(acc[mt], a, b.x, b.y);
+      }
+    }
   }
 }
 

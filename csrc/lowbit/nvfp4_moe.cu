@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
   const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
   const T* xsrc[MT / 2];
   wide_sources<T, MT>(xsrc, x, sorted_token, it, h);
-  __shared__ gemm::mma::WideSmem<T, MT> sm;
+  extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
+  auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
   gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
                                   reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16),
@@ -263,7 +264,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
   const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
   const T* xsrc[MT / 2];
   wide_sources<T, MT>(xsrc, act, nullptr, it, inter);
-  __shared__ gemm::mma::WideSmem<T, MT> sm;
+  extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
+  auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
   gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
                                   reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16),
@@ -375,11 +377,17 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
     const unsigned items = static_cast<unsigned>(ws.max_items);
     const int64_t up_tiles = 2 * a.inter / 16, down_tiles = a.h / 16;
     if constexpr (kWide) {
-      moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(up_tiles, 8)), items), kThreads, 0, stream>>>(
+      constexpr int smem = sizeof(gemm::mma::WideSmem<T, MT>);
+      if ((err = cudaFuncSetAttribute(moe_up_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      smem)) != cudaSuccess ||
+          (err = cudaFuncSetAttribute(moe_down_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      smem)) != cudaSuccess)
+        return err;
+      moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(up_tiles, 8)), items), kThreads, smem, stream>>>(
           x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
           a.has_limit, a.swiglu_limit);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(down_tiles, 8)), items), kThreads, 0, stream>>>(
+      moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(down_tiles, 8)), items), kThreads, smem, stream>>>(
           act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
     } else {
       moe_up_kernel<T, MT, W><<<dim3(unsigned(up_tiles), items), 32 * W, 0, stream>>>(
