@@ -45,7 +45,6 @@ __global__ void fill_scale_kernel(uint8_t* __restrict__ scale, int64_t count, ui
   if (i < count) scale[i] = value;
 }
 
-using mma::Mma;
 using mma::kThreads;
 using mma::kWarps;
 
@@ -70,12 +69,10 @@ __global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t
   const uint32_t word = __ldg(weight + i);
   const uint32_t sw = __ldg(reinterpret_cast<const uint32_t*>(scale + tile * kTileScaleBytes + (lane / 4) * 16) + kt / 2);
   uint32_t a[4];
-  Mma<__nv_bfloat16>::decode(word, a);
-  const uint32_t mult_lo = Mma<__nv_bfloat16>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);
-  const uint32_t mult_hi = Mma<__nv_bfloat16>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);
+  mma::decode_fragment<__nv_bfloat16>(word, sw, kt, a);
   const float g = __ldg(global_scale) * kDecodeUnscale;
-  const uint32_t lo[2] = {Mma<__nv_bfloat16>::mul(a[0], mult_lo), Mma<__nv_bfloat16>::mul(a[2], mult_lo)};
-  const uint32_t hi[2] = {Mma<__nv_bfloat16>::mul(a[1], mult_hi), Mma<__nv_bfloat16>::mul(a[3], mult_hi)};
+  const uint32_t lo[2] = {a[0], a[2]};  // row g
+  const uint32_t hi[2] = {a[1], a[3]};  // row g + 8
   float v_lo[4], v_hi[4];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {

@@ -120,6 +120,20 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restric
   }
 }
 
+// A fragment of k-tile kt, e2m1 * block scale * 2^-8 exactly: the lane word
+// w of the codes and the scale word sw = scale words[kt / 2] of its tile
+// (rows g and g + 8; see nvfp4_gemm_layout.h).
+template <typename T>
+__device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt, uint32_t (&a)[4]) {
+  Mma<T>::decode(w, a);
+  const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);  // row g
+  const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);  // row g+8
+  a[0] = Mma<T>::mul(a[0], mult_lo);
+  a[1] = Mma<T>::mul(a[1], mult_hi);
+  a[2] = Mma<T>::mul(a[2], mult_lo);
+  a[3] = Mma<T>::mul(a[3], mult_hi);
+}
+
 template <typename T, int MT>
 __device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[MT][4]) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(st.w);
@@ -127,14 +141,7 @@ __device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
     uint32_t a[4];
-    Mma<T>::decode(w[kt], a);
-    const uint32_t sw = s[kt / 2];
-    const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);  // row g
-    const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);  // row g+8
-    a[0] = Mma<T>::mul(a[0], mult_lo);
-    a[1] = Mma<T>::mul(a[1], mult_hi);
-    a[2] = Mma<T>::mul(a[2], mult_lo);
-    a[3] = Mma<T>::mul(a[3], mult_hi);
+    decode_fragment<T>(w[kt], s[kt / 2], kt, a);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       Mma<T>::mma(acc[mt], a, st.x[mt][kt].x, st.x[mt][kt].y);
@@ -295,14 +302,7 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       uint32_t a[4];
-      Mma<T>::decode(w[kt], a);
-      const uint32_t sw = s[kt / 2];
-      const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);
-      const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);
-      a[0] = Mma<T>::mul(a[0], mult_lo);
-      a[1] = Mma<T>::mul(a[1], mult_hi);
-      a[2] = Mma<T>::mul(a[2], mult_lo);
-      a[3] = Mma<T>::mul(a[3], mult_hi);
+      decode_fragment<T>(w[kt], s[kt / 2], kt, a);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[buf][mt * 8 + g][kt * 16 + t * 4]);
