@@ -117,8 +117,59 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
   }
 }
 
-// Narrow kernels: W warps (32 W threads) share one 16-row W tile.
+// ---- pieces shared by the four GEMM kernels -------------------------------
+
+// Row r of an item: gathered through sorted_token (kGather, up: rows of x),
+// or the item's own row in sorted order (down: rows of h).
+template <bool kGather, typename T>
+__device__ __forceinline__ const T* item_row(const T* base, const int32_t* sorted_token, const Item& it, int r,
+                                             int64_t row_elems) {
+  const int64_t row = kGather ? sorted_token[it.row + r] : it.row + r;
+  return base + row * row_elems;
+}
+
+// First k-tile of W tile row `tile_row` (codes, scales) in the prepacked layout.
+__device__ __forceinline__ const uint4* tile_codes(const uint8_t* w, int64_t tile_row, int64_t tiles_k) {
+  return reinterpret_cast<const uint4*>(w) + tile_row * tiles_k * (kTileBytes / 16);
+}
+__device__ __forceinline__ const uint4* tile_scales(const uint8_t* s, int64_t tile_row, int64_t tiles_k) {
+  return reinterpret_cast<const uint4*>(s) + tile_row * tiles_k * (kTileScaleBytes / 16);
+}
+
+// silu(min(gate, L)) * clamp(up, -L, L); comparisons keep NaN, as torch.clamp does.
+__device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_limit, float limit) {
+  if (has_limit) {
+    gate = gate > limit ? limit : gate;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+  }
+  return gate / (1.f + expf(-gate)) * up;
+}
+
+// ---- narrow kernels: W warps share one 16-row W tile (K split between them) --
+
 template <int W> constexpr int kNarrowMinBlocks = gemm::mma::kWarps / W * 2;
+
+// The item's sums over K for W tile `nt` of its expert (ntiles tiles per
+// expert), added over the W warps into `partial`; returns after the barrier.
+template <typename T, int MT, int W, bool kGather>
+__device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W>& partial, const Item& it,
+                                                 const T* xbase, const int32_t* sorted_token, int64_t k,
+                                                 const uint8_t* w, const uint8_t* s, int64_t ntiles, int64_t nt) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * ntiles + nt;
+  const T* xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
+    xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
+  }
+  float acc[MT][4];
+  gemm::mma::warp_mainloop<T, MT, W>(acc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k), xrow,
+                                     k, 0, tiles_k, warp, lane);
+  partial.store(acc, warp, lane);
+  __syncthreads();
+}
 
 // Up projection + SwiGLU. grid: (2I / 16, work items upper bound).
 template <typename T, int MT, int W>
@@ -128,34 +179,14 @@ __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_up_kernel(
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nt = blockIdx.x;  // intermediate columns 8 nt .. 8 nt + 7
-  const int64_t tiles_k = padded_k(h) / kTileK;
-  const int64_t tile_row = int64_t(it.expert) * (2 * inter / 16) + nt;
-  const uint4* wbase = reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16);
-  const uint4* sbase = reinterpret_cast<const uint4*>(s13) + tile_row * tiles_k * (kTileScaleBytes / 16);
-  const T* xrow[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
-    xrow[mt] = x + int64_t(sorted_token[it.row + r]) * h + (lane % 4) * 4;
-  }
-  float acc[MT][4];
-  gemm::mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, h, 0, tiles_k, warp, lane);
-
   __shared__ gemm::mma::CtaPartials<MT, W> partial;
-  partial.store(acc, warp, lane);
-  __syncthreads();
+  narrow_tile_sums<T, MT, W, true>(partial, it, x, sorted_token, h, w13, s13, 2 * inter / 16, nt);
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < 8 * 8 * MT; e += 32 * W) {
     const int c = e % 8, mc = e / 8;
     if (mc >= it.rows) continue;
-    float gate = partial.sum(c, mc) * gs, up = partial.sum(c + 8, mc) * gs;
-    if (has_limit) {  // comparisons keep NaN, as torch.clamp does
-      gate = gate > limit ? limit : gate;
-      up = up > limit ? limit : (up < -limit ? -limit : up);
-    }
-    const float hv = gate / (1.f + expf(-gate)) * up;
+    const float hv = clamped_swiglu(partial.sum(c, mc) * gs, partial.sum(c + 8, mc) * gs, has_limit, limit);
     act[int64_t(it.row + mc) * inter + nt * 8 + c] = cuda::from_float<T>(hv);
   }
 }
@@ -168,24 +199,9 @@ __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nt = blockIdx.x;
-  const int64_t tiles_k = padded_k(inter) / kTileK;
-  const int64_t tile_row = int64_t(it.expert) * (h / 16) + nt;
-  const uint4* wbase = reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16);
-  const uint4* sbase = reinterpret_cast<const uint4*>(s2) + tile_row * tiles_k * (kTileScaleBytes / 16);
-  const T* xrow[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r = min(mt * 8 + lane / 4, it.rows - 1);
-    xrow[mt] = act + int64_t(it.row + r) * inter + (lane % 4) * 4;
-  }
-  float acc[MT][4];
-  gemm::mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, inter, 0, tiles_k, warp, lane);
-
   __shared__ gemm::mma::CtaPartials<MT, W> partial;
-  partial.store(acc, warp, lane);
-  __syncthreads();
+  narrow_tile_sums<T, MT, W, false>(partial, it, act, nullptr, inter, w2, s2, h / 16, nt);
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
     const int r = e % 16, mc = e / 16;
@@ -194,20 +210,33 @@ __global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
   }
 }
 
-// Wide variants for experts with many rows (nvfp4_mma.cuh, wide_mainloop):
-// one CTA per (128 rows of W, work item of 8 MT rows), warp w on W tile
+// ---- wide kernels (nvfp4_mma.cuh, wide_mainloop) ----------------------------
+// One CTA per (128 rows of W, work item of 8 MT rows), warp w on W tile
 // 8 blockIdx.x + w; each lane ends with whole sums, so the epilogue reads its
 // own accumulators: c[0..1] are W row g at x rows 2t, 2t+1 of the m-tile,
 // c[2..3] W row g + 8 (in the up kernel: gate and up of column 8 nt + g).
-template <typename T, int MT>
-__device__ __forceinline__ void wide_sources(const T* (&xsrc)[MT / 2], const T* base, const int32_t* sorted_token,
-                                             const Item& it, int64_t row_elems) {
+
+// This warp's whole-K sums for its W tile nt (ntiles per expert); false for
+// warps past the expert's last tile (they still staged x for the others).
+template <typename T, int MT, bool kGather>
+__device__ __forceinline__ bool wide_tile_sums(float (&acc)[MT][4], int64_t& nt, const Item& it, const T* xbase,
+                                               const int32_t* sorted_token, int64_t k, const uint8_t* w,
+                                               const uint8_t* s, int64_t ntiles) {
+  nt = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  const bool active = nt < ntiles;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
+  const T* xsrc[MT / 2];
 #pragma unroll
   for (int j = 0; j < MT / 2; ++j) {
     const int r = min(int(threadIdx.x) / 16 + 16 * j, it.rows - 1);
-    const int64_t row = sorted_token ? sorted_token[it.row + r] : it.row + r;
-    xsrc[j] = base + row * row_elems + (threadIdx.x % 16) * 8;
+    xsrc[j] = item_row<kGather>(xbase, sorted_token, it, r, k) + (threadIdx.x % 16) * 8;
   }
+  extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
+  auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
+  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k),
+                                  active, k);
+  return active;
 }
 
 template <typename T, int MT>
@@ -217,22 +246,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t ntiles = 2 * inter / 16;
-  const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
-  const bool active = nt < ntiles;
-  const int64_t tiles_k = padded_k(h) / kTileK;
-  const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
-  const T* xsrc[MT / 2];
-  wide_sources<T, MT>(xsrc, x, sorted_token, it, h);
-  extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
-  auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
-  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
-                                  reinterpret_cast<const uint4*>(w13) + tile_row * tiles_k * (kTileBytes / 16),
-                                  reinterpret_cast<const uint4*>(s13) + tile_row * tiles_k * (kTileScaleBytes / 16),
-                                  active, h);
-  if (!active) return;
+  int64_t nt;
+  if (!wide_tile_sums<T, MT, true>(acc, nt, it, x, sorted_token, h, w13, s13, 2 * inter / 16)) return;
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -240,12 +257,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
     for (int i = 0; i < 2; ++i) {
       const int mc = mt * 8 + 2 * t + i;
       if (mc >= it.rows) continue;
-      float gate = acc[mt][i] * gs, up = acc[mt][2 + i] * gs;
-      if (has_limit) {
-        gate = gate > limit ? limit : gate;
-        up = up > limit ? limit : (up < -limit ? -limit : up);
-      }
-      act[int64_t(it.row + mc) * inter + nt * 8 + g] = cuda::from_float<T>(gate / (1.f + expf(-gate)) * up);
+      const float hv = clamped_swiglu(acc[mt][i] * gs, acc[mt][2 + i] * gs, has_limit, limit);
+      act[int64_t(it.row + mc) * inter + nt * 8 + g] = cuda::from_float<T>(hv);
     }
 }
 
@@ -256,22 +269,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t ntiles = h / 16;
-  const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
-  const bool active = nt < ntiles;
-  const int64_t tiles_k = padded_k(inter) / kTileK;
-  const int64_t tile_row = int64_t(it.expert) * ntiles + (active ? nt : 0);
-  const T* xsrc[MT / 2];
-  wide_sources<T, MT>(xsrc, act, nullptr, it, inter);
-  extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
-  auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
-  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc,
-                                  reinterpret_cast<const uint4*>(w2) + tile_row * tiles_k * (kTileBytes / 16),
-                                  reinterpret_cast<const uint4*>(s2) + tile_row * tiles_k * (kTileScaleBytes / 16),
-                                  active, inter);
-  if (!active) return;
+  int64_t nt;
+  if (!wide_tile_sums<T, MT, false>(acc, nt, it, act, nullptr, inter, w2, s2, h / 16)) return;
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)

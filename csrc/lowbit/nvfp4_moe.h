@@ -6,28 +6,19 @@
 //
 // Weights: the Linear's prepacked layout (nvfp4_gemm_layout.h), experts
 // stacked along N, so expert e's tiles start at row e * N. W13's rows are
-// interleaved by moe_w13_row so each 16-row tile holds 8 gate rows and the 8
-// up rows of the same intermediate columns: the GEMM's epilogue finds gate and
-// up of one output in the same lane and fuses the SwiGLU.
+// interleaved at prepack (interleave_w13 in csrc/torch/nvfp4_moe_ops.cpp) so
+// each 16-row tile holds gate rows 8 j .. 8 j + 7 and then the up rows of the
+// same intermediate columns: the GEMM's epilogue finds gate and up of one
+// output in the same lane and fuses the SwiGLU.
 #pragma once
 
 #include "lowbit/common.h"
 
 #if defined(LOWBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
-#endif
 
 namespace lowbit::nvfp4::moe {
 
-// Row of the prepacked (interleaved) W13 that holds checkpoint row `row`
-// (gate rows 0..I-1, up rows I..2I-1); I % 8 == 0.
-LOWBIT_HD int64_t moe_w13_row(int64_t row, int64_t inter) {
-  const bool up = row >= inter;
-  const int64_t c = up ? row - inter : row;
-  return (c / 8) * 16 + (up ? 8 : 0) + c % 8;
-}
-
-#if defined(LOWBIT_WITH_CUDA)
 struct MoeArgs {
   const void* x;               // [M, H], dtype
   DType dtype;                 // kBFloat16 or kFloat16
@@ -52,6 +43,6 @@ int64_t moe_workspace_bytes(const MoeArgs& args);
 int64_t moe_max_work_items(const MoeArgs& args);
 constexpr int64_t kMaxWorkItems = 65535;
 cudaError_t moe_cuda(const MoeArgs& args, void* workspace, cudaStream_t stream);
-#endif
 
 }  // namespace lowbit::nvfp4::moe
+#endif

@@ -86,11 +86,17 @@ void check_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
 
 namespace {
 
-// Checkpoint [E, 2I, C] (gate rows, then up rows) -> [E * 2I, C] with the
-// rows in the order of moe::moe_w13_row (8 gate rows, the matching 8 up rows).
+// W13 row order of the prepacked layout (the one place it is defined): per
+// 16 rows, gate rows 8 j .. 8 j + 7, then up rows I + 8 j .. I + 8 j + 7.
+// Checkpoint [E, 2I, C] (gate rows, then up rows) -> [E * 2I, C] in that order.
 at::Tensor interleave_w13(const at::Tensor& t) {
   const int64_t e = t.size(0), two_i = t.size(1), c = t.size(2);
   return t.reshape({e, 2, two_i / 16, 8, c}).permute({0, 2, 1, 3, 4}).reshape({e * two_i, c});
+}
+// Its inverse for one expert: [2I, C] in prepacked order -> [gate; up].
+at::Tensor deinterleave_w13(const at::Tensor& t) {
+  const int64_t two_i = t.size(0), c = t.size(1);
+  return t.view({two_i / 16, 2, 8, c}).permute({1, 0, 2, 3}).reshape({two_i, c});
 }
 
 std::tuple<at::Tensor, at::Tensor> prepack_2d(const at::Tensor& weight, const at::Tensor& scale) {
@@ -160,11 +166,7 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at
     if (pairs[e].empty()) continue;
     at::Tensor slot = at::tensor(pairs[e], at::kLong);
     at::Tensor token = at::floor_divide(slot, k);
-    // Prepacked W13 rows are interleaved 8 gate / 8 up; back to [gate; up].
-    at::Tensor w13e = dequantize_expert(p13, s13, g13, e, h)
-                          .view({inter / 8, 2, 8, h})
-                          .permute({1, 0, 2, 3})
-                          .reshape({2 * inter, h});
+    at::Tensor w13e = deinterleave_w13(dequantize_expert(p13, s13, g13, e, h));
     at::Tensor gate_up = at::matmul(xf.index_select(0, token), w13e.t());
     at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
     if (swiglu_limit.has_value()) {
