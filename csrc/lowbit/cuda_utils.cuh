@@ -84,6 +84,30 @@ __device__ __forceinline__ void store4<float>(float* p, const float (&in)[4]) {
   *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with
+// launch_dependent may start while the previous kernel in the stream is
+// still running; it must call wait_for_previous_grid() before it reads what
+// that kernel writes (a no-op when launched normally). The previous kernel
+// lets it start early with allow_dependent_launch(). Both work inside CUDA
+// graph capture.
+__device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+}
+
 // Streaming multiprocessors of the current device, cached per device.
 int num_sms();
 

@@ -8,6 +8,8 @@
 // a global workspace instead of registers and runs the same loop.
 //
 // hash_route: one warp per token, lanes over the k table entries.
+#include <type_traits>
+
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/routing.h"
 #include "lowbit/topk.h"
@@ -18,6 +20,8 @@ namespace {
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarpsPerBlock = 4;
 constexpr int32_t kPadIndex = 0x7fffffff;
+// Up to this many tokens a whole CTA routes each token (see the fast path).
+constexpr int64_t kTeamMaxTokens = 256;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -213,37 +217,120 @@ __device__ __forceinline__ void select_and_write(Scores& r, const Params& p, flo
   }
 }
 
-// Fast path: one warp routes one token, lane l holding experts l + 32 j in
-// registers as 32-bit order keys of the biased score (0 = not selectable).
-// Each pick is two warp reductions (redux.sync): the largest key, then the
-// lowest expert index holding it. Group scores are computed by lane g over
-// group g from a per-warp shared copy of the biased scores.
-template <int EPT, typename T>
-__device__ __forceinline__ void route_token_fast(const T* row, const float* bias, const Params& p, float* group_smem,
-                                                 float* weights, int32_t* ids) {
+// Fast path (E <= 512, k <= 32): the scores of one token live in registers
+// as 32-bit order keys of the biased score (0 = not selectable), slot j of
+// team thread r holding expert r + 32 W j. A team is one warp (W = 1, four
+// tokens per CTA) or, at small M, the whole CTA (W = kWarpsPerBlock): there
+// the kernel time is one token's serial chain (load, scores, k picks), and
+// four warps cut each thread's scores and the length of each pick's slot
+// scan by four.
+//
+// A pick is two warp reductions (redux.sync): the largest key, then the
+// lowest expert index holding it. With W > 1 each warp picks its own top k,
+// and warp 0 merges the W k candidates by rank (the number of candidates
+// that beat each one), so every thread does one pass over them instead of k
+// more reductions. Both teams produce the same picks in the same order and
+// sum the weights the same way (bitwise equal results except softmax, whose
+// normalizer is summed per warp first).
+template <int W>
+struct Team {
+  __device__ static int rank() { return W == 1 ? int(threadIdx.x & 31) : int(threadIdx.x); }
+  __device__ static void sync() {
+    if constexpr (W == 1)
+      __syncwarp();
+    else
+      __syncthreads();
+  }
+};
+
+// Shared memory of one token's team.
+template <int W>
+struct TeamSmem {
+  float biased[kFastMaxExperts];  // group stage: the biased scores
+  float partial[W];               // softmax: per-warp max / sum
+  uint32_t cand_key[W][kFastMaxTopK];
+  int32_t cand_id[W][kFastMaxTopK];
+  float cand_score[W][kFastMaxTopK];
+  float pick_w[kFastMaxTopK];
+  int32_t pick_id[kFastMaxTopK];
+};
+
+// Max / sum over the team, every thread gets it; warps are combined in order.
+template <int W, bool kMax>
+__device__ __forceinline__ float team_reduce(float v, float* partial) {
+  v = kMax ? warp_max(v) : warp_sum(v);
+  if constexpr (W > 1) {
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = partial[0];
+#pragma unroll
+    for (int w = 1; w < W; ++w) v = kMax ? fmaxf(v, partial[w]) : v + partial[w];
+    __syncthreads();  // partial is reused by the next reduction
+  }
+  return v;
+}
+
+// Lanes 0 .. k-1 of one warp hold pick `lane` (unnormalized weight and id):
+// renormalize, scale and store.
+__device__ __forceinline__ void write_picks(float my_w, int32_t my_id, const Params& p, float* weights, int32_t* ids) {
   const int lane = threadIdx.x & 31;
+  const float sum = warp_sum(lane < p.topk ? my_w : 0.f);
+  if (lane < p.topk) {
+    float w = my_w;
+    if (p.renormalize) w /= sum + kRenormEpsilon;
+    weights[lane] = w * p.scale;
+    ids[lane] = my_id;
+  }
+}
+
+// `row` is the token's logits; with splits > 1 (dense_router's split-K gate)
+// the logits are the sum of `splits` float32 partial rows split_stride apart,
+// added in split order, the loads of a batch of splits issued together.
+template <int EPT, int W, typename T>
+__device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, int64_t split_stride,
+                                                 const float* bias, const Params& p, TeamSmem<W>& sm, float* weights,
+                                                 int32_t* ids) {
+  const int lane = threadIdx.x & 31, warp = W == 1 ? 0 : int(threadIdx.x >> 5);
+  const auto expert = [&](int j) { return Team<W>::rank() + 32 * W * j; };
   float x[EPT], s[EPT], bias_v[EPT];
   uint32_t key[EPT];
   // Logits and bias are loaded together: one memory round trip per token.
+  // The bias is not written by the kernel before this one (dense_router's
+  // gate, which may still be running: cuda::launch_dependent).
 #pragma unroll
-  for (int j = 0; j < EPT; ++j) {
-    const int e = lane + 32 * j;
-    x[j] = e < p.experts ? load_logit<T>(row + e) : 0.f;
-    bias_v[j] = bias && e < p.experts ? __ldg(bias + e) : 0.f;
+  for (int j = 0; j < EPT; ++j) bias_v[j] = bias && expert(j) < p.experts ? __ldg(bias + expert(j)) : 0.f;
+  cuda::wait_for_previous_grid();
+#pragma unroll
+  for (int j = 0; j < EPT; ++j) x[j] = expert(j) < p.experts ? load_logit<T>(row + expert(j)) : 0.f;
+  constexpr int kBatch = EPT <= 4 ? 16 : EPT <= 8 ? 4 : 2;
+  for (int32_t sp = 1; std::is_same_v<T, float> && sp < splits; sp += kBatch) {  // float32 partials only
+    float v[kBatch][EPT];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int e = expert(j);
+        v[u][j] = sp + u < splits && e < p.experts ? load_logit<T>(row + (sp + u) * split_stride + e) : 0.f;
+      }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) x[j] += v[u][j];
   }
+
   if (p.score_func == ScoreFunc::kSoftmax) {
     float mx = neg_inf();
 #pragma unroll
     for (int j = 0; j < EPT; ++j)
-      if (lane + 32 * j < p.experts) mx = fmaxf(mx, x[j]);
-    mx = warp_max(mx);
+      if (expert(j) < p.experts) mx = fmaxf(mx, x[j]);
+    mx = team_reduce<W, true>(mx, sm.partial);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < EPT; ++j) {
-      s[j] = lane + 32 * j < p.experts ? expf(x[j] - mx) : 0.f;
+      s[j] = expert(j) < p.experts ? expf(x[j] - mx) : 0.f;
       sum += s[j];
     }
-    sum = warp_sum(sum);
+    sum = team_reduce<W, false>(sum, sm.partial);
 #pragma unroll
     for (int j = 0; j < EPT; ++j) s[j] /= sum;
   } else {
@@ -252,20 +339,22 @@ __device__ __forceinline__ void route_token_fast(const T* row, const float* bias
   }
 #pragma unroll
   for (int j = 0; j < EPT; ++j) {
-    const int e = lane + 32 * j;
+    const int e = expert(j);
     const float b = selection_value(bias ? s[j] + bias_v[j] : s[j]);
     key[j] = e < p.experts ? topk::order_key(b) : 0u;
-    if (p.n_group > 1 && e < p.experts) group_smem[e] = b;
+    if (p.n_group > 1 && e < p.experts) sm.biased[e] = b;
   }
 
   if (p.n_group > 1) {
-    __syncwarp();
+    // Every warp of the team ranks the groups itself (lane g scores group
+    // g): no second team barrier.
+    Team<W>::sync();
     const int group_size = p.experts / p.n_group;
     uint32_t gkey = 0;
     if (lane < p.n_group) {
       float v1 = neg_inf(), v2 = neg_inf();
       for (int i = 0; i < group_size; ++i) {
-        const float v = group_smem[lane * group_size + i];
+        const float v = sm.biased[lane * group_size + i];
         if (v > v1) {
           v2 = v1;
           v1 = v;
@@ -284,12 +373,12 @@ __device__ __forceinline__ void route_token_fast(const T* row, const float* bias
     }
 #pragma unroll
     for (int j = 0; j < EPT; ++j) {
-      const int e = lane + 32 * j;
+      const int e = expert(j);
       if (e < p.experts && !((keep >> (e / group_size)) & 1u)) key[j] = 0;
     }
-    __syncwarp();
   }
 
+  // k picks over this warp's experts.
   float my_w = 0.f;
   int32_t my_id = 0;
   for (int it = 0; it < p.topk; ++it) {
@@ -304,7 +393,7 @@ __device__ __forceinline__ void route_token_fast(const T* row, const float* bias
         bs = s[j];
       }
     const uint32_t m = __reduce_max_sync(kFull, bk);
-    const uint32_t win = __reduce_min_sync(kFull, bk == m ? uint32_t(lane + 32 * bj) : 0xffffffffu);
+    const uint32_t win = __reduce_min_sync(kFull, bk == m ? uint32_t(expert(bj)) : 0xffffffffu);
     const float w = __shfl_sync(kFull, bs, win & 31);
     if (lane == int(win & 31)) {
 #pragma unroll
@@ -314,26 +403,55 @@ __device__ __forceinline__ void route_token_fast(const T* row, const float* bias
     if (lane == it) {
       my_w = w;
       my_id = static_cast<int32_t>(win);
+      if constexpr (W > 1) {
+        sm.cand_key[warp][it] = m;
+        sm.cand_id[warp][it] = my_id;
+        sm.cand_score[warp][it] = w;
+      }
     }
   }
-  const float sum = warp_sum(lane < p.topk ? my_w : 0.f);
-  if (lane < p.topk) {
-    float w = my_w;
-    if (p.renormalize) w /= sum + kRenormEpsilon;
-    weights[lane] = w * p.scale;
-    ids[lane] = my_id;
+  if constexpr (W == 1) {
+    write_picks(my_w, my_id, p, weights, ids);
+  } else {
+    // Merge: candidate c lands at its rank among all W k candidates. A warp
+    // with fewer than k selectable experts contributes key-0 candidates,
+    // which rank below the k real winners (there are at least k selectable
+    // experts: the op checks it).
+    __syncthreads();
+    if (warp != 0) return;
+    const int n = W * p.topk;
+    for (int c = lane; c < n; c += 32) {
+      const int cw = c / p.topk, cj = c % p.topk;
+      const uint32_t ck = sm.cand_key[cw][cj];
+      const int32_t ci = sm.cand_id[cw][cj];
+      int rank = 0;
+      for (int o = 0; o < n; ++o) {
+        const uint32_t ok = sm.cand_key[o / p.topk][o % p.topk];
+        const int32_t oi = sm.cand_id[o / p.topk][o % p.topk];
+        rank += ok > ck || (ok == ck && oi < ci);
+      }
+      if (rank < p.topk) {
+        sm.pick_w[rank] = sm.cand_score[cw][cj];
+        sm.pick_id[rank] = ci;
+      }
+    }
+    __syncwarp();
+    write_picks(lane < p.topk ? sm.pick_w[lane] : 0.f, lane < p.topk ? sm.pick_id[lane] : 0, p, weights, ids);
   }
 }
 
-template <int EPT, typename T>
+// W = 1: four tokens per CTA, a warp each. W = kWarpsPerBlock: a token per CTA.
+template <int EPT, int W, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    route_fast_kernel(const T* __restrict__ logits, const float* __restrict__ bias, int64_t tokens, Params p,
-                      float* __restrict__ weights, int32_t* __restrict__ ids) {
-  const int64_t m = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  __shared__ float group_smem[kWarpsPerBlock][kFastMaxExperts];
-  if (m >= tokens) return;
-  route_token_fast<EPT, T>(logits + m * p.experts, bias, p, group_smem[threadIdx.x >> 5], weights + m * p.topk,
-                                  ids + m * p.topk);
+    route_fast_kernel(const T* __restrict__ logits, int32_t splits, const float* __restrict__ bias, int64_t tokens,
+                      Params p, float* __restrict__ weights, int32_t* __restrict__ ids) {
+  constexpr int kTeams = kWarpsPerBlock / W;
+  __shared__ TeamSmem<W> smem[kTeams];
+  const int team = W == 1 ? int(threadIdx.x >> 5) : 0;
+  const int64_t m = int64_t(blockIdx.x) * kTeams + team;
+  if (m >= tokens) return;  // the whole team: m is the same for all its threads
+  route_token_fast<EPT, W, T>(logits + m * p.experts, splits, tokens * p.experts, bias, p, smem[team],
+                              weights + m * p.topk, ids + m * p.topk);
 }
 
 template <typename T>
@@ -354,25 +472,32 @@ cudaError_t route_typed(const RouteArgs& a, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(cuda::ceil_div(a.tokens, kWarpsPerBlock));
   const int threads = kWarpsPerBlock * 32;
   if (route_workspace_floats(a) > 0) {
+    if (a.logit_splits != 1) return cudaErrorInvalidValue;  // split logits: fast path only
     route_general_kernel<T><<<grid, threads, 0, stream>>>(logits, a.bias, a.tokens, p, a.workspace, a.weights, a.ids);
     return cudaGetLastError();
   }
-#define LOWBIT_ROUTE_FAST(EPT) \
-  route_fast_kernel<EPT, T><<<grid, threads, 0, stream>>>(logits, a.bias, a.tokens, p, a.weights, a.ids)
-  if (a.experts <= 32)
-    LOWBIT_ROUTE_FAST(1);
-  else if (a.experts <= 64)
-    LOWBIT_ROUTE_FAST(2);
-  else if (a.experts <= 128)
-    LOWBIT_ROUTE_FAST(4);
-  else if (a.experts <= 256)
-    LOWBIT_ROUTE_FAST(8);
-  else if (a.experts <= 384)
-    LOWBIT_ROUTE_FAST(12);
-  else
-    LOWBIT_ROUTE_FAST(16);
-#undef LOWBIT_ROUTE_FAST
-  return cudaGetLastError();
+  // A launch right after dense_router's gate overlaps its tail.
+  const auto launch = [&](auto kernel, unsigned blocks) {
+    if (a.after_gate)
+      return cuda::launch_dependent(kernel, blocks, threads, stream, logits, a.logit_splits, a.bias, a.tokens, p,
+                                    a.weights, a.ids);
+    kernel<<<blocks, threads, 0, stream>>>(logits, a.logit_splits, a.bias, a.tokens, p, a.weights, a.ids);
+    return cudaGetLastError();
+  };
+  if (a.tokens <= kTeamMaxTokens && a.experts > 64) {
+    // A CTA per token, 128 experts per slot.
+    const auto blocks = static_cast<unsigned>(a.tokens);
+    if (a.experts <= 128) return launch(route_fast_kernel<1, kWarpsPerBlock, T>, blocks);
+    if (a.experts <= 256) return launch(route_fast_kernel<2, kWarpsPerBlock, T>, blocks);
+    if (a.experts <= 384) return launch(route_fast_kernel<3, kWarpsPerBlock, T>, blocks);
+    return launch(route_fast_kernel<4, kWarpsPerBlock, T>, blocks);
+  }
+  if (a.experts <= 32) return launch(route_fast_kernel<1, 1, T>, grid);
+  if (a.experts <= 64) return launch(route_fast_kernel<2, 1, T>, grid);
+  if (a.experts <= 128) return launch(route_fast_kernel<4, 1, T>, grid);
+  if (a.experts <= 256) return launch(route_fast_kernel<8, 1, T>, grid);
+  if (a.experts <= 384) return launch(route_fast_kernel<12, 1, T>, grid);
+  return launch(route_fast_kernel<16, 1, T>, grid);
 }
 
 // ---- hash router --------------------------------------------------------------
@@ -436,10 +561,155 @@ cudaError_t hash_typed(const HashRouteArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+
+// ---- dense_router gate GEMM (small M) -------------------------------------------
+//
+// mma.m16n8k16 with 16 experts as the 16-row operand and 8 tokens as the
+// 8-wide one. Each warp step covers a 64-column chunk: lane (g, t) loads 32
+// contiguous bytes (columns 16 t .. 16 t + 15) of expert rows g and g + 8
+// and of token row g, and uses columns 4 j .. 4 j + 3 of them as the
+// fragment of k-step j, i.e. K is permuted the same way for both operands
+// inside each chunk, which leaves the dot products unchanged and makes every
+// load a coalesced 16-byte one. grid: (E / 16, splits); a split is
+// kGateWarps x CPW chunks, warp w takes CPW consecutive ones and issues all
+// their loads before its first mma (the gate is a pure weight stream: what
+// counts is the bytes in flight), and the CTA adds its warps' sums in warp
+// order.
+
+constexpr int kGateWarps = 4;
+constexpr int kGateChunk = 64;
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Per M: token tiles of 8 (MT), chunks per warp (CPW) and 16-expert tiles
+// per warp (ET, sharing the x fragments: halves the x reads from L2 when x
+// is the larger stream). The fragments of all CPW chunks live in registers.
+struct GateShape {
+  int mt, cpw, et;
+};
+constexpr GateShape gate_shape(int64_t tokens, int64_t experts) {
+  const int mt = tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8;
+  const int et = mt >= 4 && experts % 32 == 0 ? 2 : 1;
+  return {mt, mt <= 4 ? 2 : 1, et};
+}
+
+template <int MT, int CPW, int ET>
+__global__ void __launch_bounds__(kGateWarps * 32)
+    dense_gate_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w, int64_t tokens,
+                      int64_t experts, int64_t hidden, float* __restrict__ partial) {
+  cuda::allow_dependent_launch();  // the route kernel's launch and bias loads overlap this one
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t e0 = int64_t(blockIdx.x) * 16 * ET;
+  const int64_t chunk0 = (int64_t(blockIdx.y) * kGateWarps + warp) * CPW;
+  const int64_t chunks = hidden / kGateChunk;
+  const __nv_bfloat16* xrow[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) xrow[mt] = x + min(int64_t(mt * 8 + g), tokens - 1) * hidden + 16 * t;  // rows past M: never stored
+
+  // lo / hi: expert rows g and g + 8 of each expert tile.
+  uint4 lo[CPW][ET][2], hi[CPW][ET][2], xv[CPW][MT][2];
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    const int64_t col = (chunk0 + c) * kGateChunk + 16 * t;
+    const bool valid = chunk0 + c < chunks;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int et = 0; et < ET; ++et) {
+        const __nv_bfloat16* row = w + (e0 + 16 * et + g) * hidden + col;
+        lo[c][et][h] = valid ? __ldg(reinterpret_cast<const uint4*>(row) + h) : uint4{};
+        hi[c][et][h] = valid ? __ldg(reinterpret_cast<const uint4*>(row + 8 * hidden) + h) : uint4{};
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        xv[c][mt][h] = valid ? __ldg(reinterpret_cast<const uint4*>(xrow[mt] + col - 16 * t) + h) : uint4{};
+    }
+  }
+  float acc[ET][MT][4];
+#pragma unroll
+  for (int et = 0; et < ET; ++et)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[et][mt][i] = 0.f;
+#pragma unroll
+  for (int c = 0; c < CPW; ++c)
+#pragma unroll
+    for (int et = 0; et < ET; ++et) {
+      const uint32_t* wl = reinterpret_cast<const uint32_t*>(lo[c][et]);
+      const uint32_t* wh = reinterpret_cast<const uint32_t*>(hi[c][et]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint32_t* xw = reinterpret_cast<const uint32_t*>(xv[c][mt]);
+          mma_bf16(acc[et][mt], wl[2 * j], wh[2 * j], wl[2 * j + 1], wh[2 * j + 1], xw[2 * j], xw[2 * j + 1]);
+        }
+    }
+
+  __shared__ float sums[kGateWarps][ET][MT][4][32];
+#pragma unroll
+  for (int et = 0; et < ET; ++et)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sums[warp][et][mt][i][lane] = acc[et][mt][i];
+  __syncthreads();
+  // c0, c1: expert g, tokens 2t, 2t+1; c2, c3: expert g + 8, same tokens.
+  for (int o = threadIdx.x; o < MT * 8 * 16 * ET; o += kGateWarps * 32) {
+    const int er = o % (16 * ET), mc = o / (16 * ET);  // expert row in the CTA's tiles, token
+    const int et = er / 16, mt = mc / 8, col = mc % 8;
+    const int src = (er % 8) * 4 + col / 2, reg = (er % 16 / 8) * 2 + (col % 2);
+    if (mc >= tokens) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < kGateWarps; ++wi) v += sums[wi][et][mt][reg][src];
+    partial[(int64_t(blockIdx.y) * tokens + mc) * experts + e0 + er] = v;
+  }
+}
+
 }  // namespace
+
+int32_t dense_gate_splits(int64_t tokens, int64_t experts, int64_t hidden_size) {
+  const int64_t per_split = int64_t(kGateWarps) * gate_shape(tokens, experts).cpw;
+  return static_cast<int32_t>(cuda::ceil_div(hidden_size / kGateChunk, per_split));
+}
+
+cudaError_t dense_gate_cuda(const DenseGateArgs& a, cudaStream_t stream) {
+  if (a.tokens == 0 || a.experts == 0) return cudaSuccess;
+  if (!dense_gate_supported(a.tokens, a.experts, a.hidden_size) ||
+      a.splits != dense_gate_splits(a.tokens, a.experts, a.hidden_size))
+    return cudaErrorInvalidValue;
+  const GateShape s = gate_shape(a.tokens, a.experts);
+  const dim3 grid(static_cast<unsigned>(a.experts / (16 * s.et)), static_cast<unsigned>(a.splits));
+  const auto* x = static_cast<const __nv_bfloat16*>(a.hidden);
+  const auto* w = static_cast<const __nv_bfloat16*>(a.weight);
+#define LOWBIT_DENSE_GATE(MT, CPW, ET)                                                                               \
+  if (s.mt == MT && s.cpw == CPW && s.et == ET) {                                                                    \
+    dense_gate_kernel<MT, CPW, ET>                                                                                   \
+        <<<grid, kGateWarps * 32, 0, stream>>>(x, w, a.tokens, a.experts, a.hidden_size, a.partial);                 \
+    return cudaGetLastError();                                                                                       \
+  }
+  LOWBIT_DENSE_GATE(1, 2, 1)
+  LOWBIT_DENSE_GATE(2, 2, 1)
+  LOWBIT_DENSE_GATE(4, 2, 1)
+  LOWBIT_DENSE_GATE(4, 2, 2)
+  LOWBIT_DENSE_GATE(8, 1, 1)
+  LOWBIT_DENSE_GATE(8, 1, 2)
+#undef LOWBIT_DENSE_GATE
+  return cudaErrorInvalidValue;  // gate_shape gave a shape without an instance
+}
 
 cudaError_t route_cuda(const RouteArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return cudaSuccess;
+  if (a.logit_splits != 1 && a.logits_dtype != DType::kFloat32) return cudaErrorInvalidValue;
   return a.logits_dtype == DType::kBFloat16 ? route_typed<__nv_bfloat16>(a, stream) : route_typed<float>(a, stream);
 }
 

@@ -65,6 +65,12 @@ struct RouteArgs {
   float* weights;      // [M, topk]
   int32_t* ids;        // [M, topk]
   float* workspace;    // CUDA general path only: [M, 2 * experts] floats (route_workspace_floats)
+  // CUDA fast path only: logits is float32 [logit_splits, M, E], the split-K
+  // partial sums of dense_gate_cuda, added in split order before scoring.
+  int32_t logit_splits = 1;
+  // CUDA: launched as a programmatic dependent of the kernel before it in
+  // the stream (dense_gate_cuda), whose tail its launch overlaps.
+  bool after_gate = false;
 };
 
 // Floats of device workspace route_cuda needs (0 on the fast path).
@@ -74,6 +80,29 @@ void route_cpu(const RouteArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
 cudaError_t route_cuda(const RouteArgs& args, cudaStream_t stream);
+#endif
+
+// Gate GEMM of dense_router at small M on the GPU: bf16 hidden [M, H] times
+// bf16 gate weight [E, H]^T on tensor cores, split over K, float32 partial
+// sums partial[s, m, e] (summed in split order by route_cuda with
+// logit_splits = splits). Deterministic: no atomics.
+struct DenseGateArgs {
+  const void* hidden;  // [M, H] bfloat16, 16-byte aligned
+  const void* weight;  // [E, H] bfloat16, 16-byte aligned
+  int64_t tokens, experts, hidden_size;
+  int32_t splits;      // dense_gate_splits(tokens, experts, hidden_size)
+  float* partial;      // [splits, M, E]
+};
+
+constexpr int64_t kDenseGateMaxTokens = 64;
+// M <= 64, E a multiple of 16, H a multiple of 64.
+inline bool dense_gate_supported(int64_t tokens, int64_t experts, int64_t hidden_size) {
+  return tokens <= kDenseGateMaxTokens && experts % 16 == 0 && hidden_size % 64 == 0 && hidden_size > 0;
+}
+int32_t dense_gate_splits(int64_t tokens, int64_t experts, int64_t hidden_size);
+
+#if defined(LOWBIT_WITH_CUDA)
+cudaError_t dense_gate_cuda(const DenseGateArgs& args, cudaStream_t stream);
 #endif
 
 // DeepSeek-V4 hash router: ids = tid2eid[token_ids]; weights are the gate's

@@ -36,9 +36,35 @@ RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, c
                            bool renormalize, double scale) {
   check_dense_router(hidden, weight);
   c10::cuda::CUDAGuard guard(hidden.device());
-  // cuBLAS with float32 output, then the routing kernel. A fused gate GEMV +
-  // routing kernel (last-CTA epilogue) measured slower than this at every M
-  // (docs/PERF.md, dense_router v1) and was removed; see the notes there.
+  // Small M, bf16: lowbit's split-K tensor-core gate GEMM, its float32
+  // partial sums added in split order by the routing kernel (two launches,
+  // deterministic; docs/PERF.md, dense_router v3). Otherwise cuBLAS with
+  // float32 output, then route.
+  const int64_t tokens = hidden.size(0), experts = weight.size(0), hidden_size = hidden.size(1);
+  if (hidden.scalar_type() == at::kBFloat16 && routing::dense_gate_supported(tokens, experts, hidden_size)) {
+    auto x = hidden.contiguous();
+    auto w = weight.contiguous();
+    const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0;
+    const int32_t splits = routing::dense_gate_splits(tokens, experts, hidden_size);
+    auto partial = at::empty({splits, tokens, experts}, x.options().dtype(at::kFloat));
+    auto logits = partial[0];
+    auto o = check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+    c10::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->contiguous();
+    auto out = empty_route_outputs(logits, tokens, k);
+    auto args = route_args(logits, b, o, out);
+    if (aligned && routing::route_workspace_floats(args) == 0) {
+      const routing::DenseGateArgs gate{x.data_ptr(), w.data_ptr(), tokens, experts, hidden_size, splits,
+                                        partial.data_ptr<float>()};
+      const auto stream = c10::cuda::getCurrentCUDAStream();
+      C10_CUDA_CHECK(routing::dense_gate_cuda(gate, stream));
+      args.logit_splits = splits;
+      args.after_gate = true;
+      C10_CUDA_CHECK(routing::route_cuda(args, stream));
+      return out;
+    }
+  }
   auto logits = hidden.scalar_type() == at::kBFloat16 ? at::mm(hidden, weight.t(), at::kFloat)
                                                       : at::mm(hidden, weight.t());
   check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);

@@ -76,6 +76,7 @@ CONFIGS = [
     (1024, 8, "sigmoid", 8, 4),
     (640, 48, "sqrtsoftplus", 1, 1),
     (64, 64, "softmax", 1, 1),
+    (128, 8, "softmax", 1, 1),
 ]
 
 
@@ -373,12 +374,15 @@ def test_bad_inputs_raise_clear_errors():
 cuda = pytest.mark.cuda
 
 
+# The CUDA fast path routes a token with a whole CTA up to 256 tokens
+# (E > 64) and with one warp above that: M = 5 and M = 1000 take one each.
 @cuda
+@pytest.mark.parametrize("M", [5, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,k,score_func,n_group,topk_group", CONFIGS)
-def test_cuda_route_matches_reference_and_cpu(E, k, score_func, n_group, topk_group, dtype):
-    gen = torch.Generator().manual_seed(E * 31 + k)
-    logits = random_logits(1000, E, dtype, gen)
+def test_cuda_route_matches_reference_and_cpu(E, k, score_func, n_group, topk_group, dtype, M):
+    gen = torch.Generator().manual_seed(E * 31 + k + M)
+    logits = random_logits(M, E, dtype, gen)
     bias = torch.randn(E, generator=gen) * 0.1
     w, ids = check_route(logits.cuda(), bias.cuda(), k, score_func, n_group, topk_group, True, 2.5)
     cw, cids = lowbit.route(logits, bias, k, score_func, n_group, topk_group, True, 2.5)
@@ -395,15 +399,40 @@ def test_cuda_route_many_exact_ties(score_func):
     logits = torch.randint(-2, 3, (512, 256), generator=gen).float() * 0.5
     bias = torch.randint(0, 2, (256,), generator=gen).float() * 0.25
     for ng, tg in ((1, 1), (8, 4)):
-        check_route(logits.cuda(), bias.cuda(), 8, score_func, ng, tg, exact=True)
-        check_route(logits.cuda(), None, 8, score_func, ng, tg, exact=True)
+        for rows in (512, 40):  # warp-per-token and CTA-per-token paths
+            check_route(logits[:rows].cuda(), bias.cuda(), 8, score_func, ng, tg, exact=True)
+            check_route(logits[:rows].cuda(), None, 8, score_func, ng, tg, exact=True)
 
 
 @cuda
-@pytest.mark.parametrize("M", [1, 3, 4, 16, 64, 65, 300])
+@pytest.mark.parametrize("E,k,score_func,n_group,topk_group",
+                         [(256, 6, "sqrtsoftplus", 1, 1), (384, 6, "sqrtsoftplus", 1, 1), (256, 8, "sigmoid", 8, 4),
+                          (512, 32, "sqrtsoftplus", 4, 2), (160, 6, "sigmoid", 32, 7), (128, 8, "softmax", 1, 1)])
+def test_cuda_route_team_and_warp_paths_agree(E, k, score_func, n_group, topk_group):
+    # 300 tokens take the warp-per-token kernel, their first 100 alone the
+    # CTA-per-token one: same picks in the same order, same weight sums.
+    gen = torch.Generator().manual_seed(E + k)
+    logits = random_logits(300, E, torch.float32, gen).cuda()
+    bias = (torch.randn(E, generator=gen) * 0.1).cuda()
+    w_all, ids_all = lowbit.route(logits, bias, k, score_func, n_group, topk_group, True, 2.5)
+    w_few, ids_few = lowbit.route(logits[:100], bias, k, score_func, n_group, topk_group, True, 2.5)
+    assert torch.equal(ids_few, ids_all[:100])
+    if score_func == "softmax":  # the normalizer is summed per warp first
+        torch.testing.assert_close(w_few, w_all[:100], rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(w_few, w_all[:100])
+
+
+@cuda
+# M <= 64 (bf16, E % 16 == 0, H % 64 == 0) takes the split-K gate GEMM, in
+# its M = 1-8, 9-16, 17-32 and 33-64 forms (E = 48: one 16-expert tile per
+# warp, and the warp-per-token route); H = 1032, E = 1024 or M > 64 take
+# cuBLAS.
+@pytest.mark.parametrize("M", [1, 3, 4, 16, 33, 64, 65, 300])
 @pytest.mark.parametrize("E,k,score_func,n_group,topk_group,H",
                          [(256, 6, "sqrtsoftplus", 1, 1, 512), (384, 6, "sqrtsoftplus", 1, 1, 7168),
-                          (256, 8, "sigmoid", 8, 4, 1032), (1024, 8, "sigmoid", 1, 1, 256)])
+                          (256, 8, "sigmoid", 8, 4, 1032), (256, 8, "sigmoid", 8, 4, 1024),
+                          (48, 4, "sigmoid", 1, 1, 256), (1024, 8, "sigmoid", 1, 1, 256)])
 def test_cuda_dense_router_exact_inputs(M, E, k, score_func, n_group, topk_group, H):
     gen = torch.Generator().manual_seed(M * 7 + E)
     hidden, weight = exact_dense_inputs(M, H, E, gen)
@@ -430,6 +459,27 @@ def test_cuda_dense_router_random_matches_fp32_logits(M):
     agree = (ids.cpu().long() == want_ids).all(-1).float().mean().item()
     assert agree > 0.99
     torch.testing.assert_close(w.cpu().double(), want_w, rtol=1e-4, atol=1e-6)
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 16, 33, 64])
+def test_cuda_dense_router_small_m_path_is_deterministic_and_matches_cublas_path(M):
+    # M <= 64 with bf16, E % 16 == 0, H % 64 == 0 takes lowbit's split-K gate
+    # GEMM; a misaligned copy of the same hidden states takes cuBLAS.
+    gen = torch.Generator().manual_seed(100 + M)
+    hidden = torch.randn(M, 7168, generator=gen).bfloat16().cuda()
+    weight = (torch.randn(384, 7168, generator=gen) * 0.02).bfloat16().cuda()
+    first = lowbit.dense_router(hidden, weight, None, 6)
+    for _ in range(3):
+        again = lowbit.dense_router(hidden, weight, None, 6)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    storage = torch.empty(M * 7168 + 1, dtype=torch.bfloat16, device="cuda")
+    misaligned = storage[1:].view(M, 7168)
+    misaligned.copy_(hidden)
+    other = lowbit.dense_router(misaligned, weight, None, 6)
+    same = (other[1] == first[1]).all(-1)
+    assert same.float().mean() >= 0.9  # float32 sums in another order: only near-ties may swap
+    torch.testing.assert_close(other[0][same], first[0][same], rtol=1e-5, atol=1e-7)
 
 
 @cuda
