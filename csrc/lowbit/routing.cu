@@ -570,7 +570,7 @@ cudaError_t hash_typed(const HashRouteArgs& a, cudaStream_t stream) {
 // and of token row g, and uses columns 4 j .. 4 j + 3 of them as the
 // fragment of k-step j, i.e. K is permuted the same way for both operands
 // inside each chunk, which leaves the dot products unchanged and makes every
-// load a coalesced 16-byte one. grid: (E / 16, splits); a split is
+// load a coalesced 16-byte one. grid: (E / (16 ET), splits, token blocks); a split is
 // kGateWarps x CPW chunks, warp w takes CPW consecutive ones and issues all
 // their loads before its first mma (the gate is a pure weight stream: what
 // counts is the bytes in flight), and the CTA adds its warps' sums in warp
@@ -590,14 +590,16 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // Per M: token tiles of 8 (MT), chunks per warp (CPW) and 16-expert tiles
 // per warp (ET, sharing the x fragments: halves the x reads from L2 when x
-// is the larger stream). The fragments of all CPW chunks live in registers.
+// is the larger stream). The fragments of all CPW chunks live in registers,
+// which caps a CTA at 32 tokens: above that, blocks of 32 tokens run side
+// by side (grid z) on the same splits, so the split count (the partials the
+// route kernel adds) stays that of M = 32.
 struct GateShape {
   int mt, cpw, et;
 };
 constexpr GateShape gate_shape(int64_t tokens, int64_t experts) {
-  const int mt = tokens <= 8 ? 1 : tokens <= 16 ? 2 : tokens <= 32 ? 4 : 8;
-  const int et = mt >= 4 && experts % 32 == 0 ? 2 : 1;
-  return {mt, mt <= 4 ? 2 : 1, et};
+  const int mt = tokens <= 8 ? 1 : tokens <= 16 ? 2 : 4;
+  return {mt, 2, mt >= 4 && experts % 32 == 0 ? 2 : 1};
 }
 
 template <int MT, int CPW, int ET>
@@ -607,11 +609,12 @@ __global__ void __launch_bounds__(kGateWarps * 32)
   cuda::allow_dependent_launch();  // the route kernel's launch and bias loads overlap this one
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t e0 = int64_t(blockIdx.x) * 16 * ET;
+  const int64_t m0 = int64_t(blockIdx.z) * MT * 8;  // first token of the CTA
   const int64_t chunk0 = (int64_t(blockIdx.y) * kGateWarps + warp) * CPW;
   const int64_t chunks = hidden / kGateChunk;
   const __nv_bfloat16* xrow[MT];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) xrow[mt] = x + min(int64_t(mt * 8 + g), tokens - 1) * hidden + 16 * t;  // rows past M: never stored
+  for (int mt = 0; mt < MT; ++mt) xrow[mt] = x + min(m0 + mt * 8 + g, tokens - 1) * hidden + 16 * t;  // rows past M: never stored
 
   // lo / hi: expert rows g and g + 8 of each expert tile.
   uint4 lo[CPW][ET][2], hi[CPW][ET][2], xv[CPW][MT][2];
@@ -667,11 +670,11 @@ __global__ void __launch_bounds__(kGateWarps * 32)
     const int er = o % (16 * ET), mc = o / (16 * ET);  // expert row in the CTA's tiles, token
     const int et = er / 16, mt = mc / 8, col = mc % 8;
     const int src = (er % 8) * 4 + col / 2, reg = (er % 16 / 8) * 2 + (col % 2);
-    if (mc >= tokens) continue;
+    if (m0 + mc >= tokens) continue;
     float v = 0.f;
 #pragma unroll
     for (int wi = 0; wi < kGateWarps; ++wi) v += sums[wi][et][mt][reg][src];
-    partial[(int64_t(blockIdx.y) * tokens + mc) * experts + e0 + er] = v;
+    partial[(int64_t(blockIdx.y) * tokens + m0 + mc) * experts + e0 + er] = v;
   }
 }
 
@@ -688,7 +691,8 @@ cudaError_t dense_gate_cuda(const DenseGateArgs& a, cudaStream_t stream) {
       a.splits != dense_gate_splits(a.tokens, a.experts, a.hidden_size))
     return cudaErrorInvalidValue;
   const GateShape s = gate_shape(a.tokens, a.experts);
-  const dim3 grid(static_cast<unsigned>(a.experts / (16 * s.et)), static_cast<unsigned>(a.splits));
+  const dim3 grid(static_cast<unsigned>(a.experts / (16 * s.et)), static_cast<unsigned>(a.splits),
+                  static_cast<unsigned>(cuda::ceil_div(a.tokens, 8 * s.mt)));
   const auto* x = static_cast<const __nv_bfloat16*>(a.hidden);
   const auto* w = static_cast<const __nv_bfloat16*>(a.weight);
 #define LOWBIT_DENSE_GATE(MT, CPW, ET)                                                                               \
@@ -701,8 +705,6 @@ cudaError_t dense_gate_cuda(const DenseGateArgs& a, cudaStream_t stream) {
   LOWBIT_DENSE_GATE(2, 2, 1)
   LOWBIT_DENSE_GATE(4, 2, 1)
   LOWBIT_DENSE_GATE(4, 2, 2)
-  LOWBIT_DENSE_GATE(8, 1, 1)
-  LOWBIT_DENSE_GATE(8, 1, 2)
 #undef LOWBIT_DENSE_GATE
   return cudaErrorInvalidValue;  // gate_shape gave a shape without an instance
 }
