@@ -1,11 +1,14 @@
 // CUDA kernels of the MoE routers (routing.h).
 //
-// route: one warp per token. On the fast path (E <= 512, k <= 32) each lane
-// holds experts lane, lane + 32, ... in registers; group scores are warp
-// top-2 reductions; each of the k picks is a warp argmax over the experts
-// that rank below the previous pick in the (score desc, index asc) order, so
-// nothing is ever removed or re-sorted. The general path keeps the scores in
-// a global workspace instead of registers and runs the same loop.
+// route, fast path (E <= 512, k <= 32): a token's scores live in registers
+// of one warp (large M) or of a whole CTA (M <= 256); each pick is two warp
+// reductions, see "Fast path" below. The general path keeps one warp per
+// token and its scores in a global workspace; each of its k picks is a warp
+// argmax over the experts that rank below the previous pick in the (score
+// desc, index asc) order, so nothing is ever removed or re-sorted.
+//
+// dense_gate: dense_router's split-K tensor-core gate GEMM at M <= 64,
+// whose float32 partials the route kernel adds (launched as its dependent).
 //
 // hash_route: one warp per token, lanes over the k table entries.
 #include <type_traits>
