@@ -12,23 +12,31 @@
 namespace lowbit::ops {
 namespace {
 
-RouteOut route_cuda(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
-                    c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
-  auto o = check_route("route", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
-  c10::cuda::CUDAGuard guard(logits.device());
-  auto x = logits.contiguous();
+// Routes float32 / bf16 logits [M, E] (or, with logit_splits > 1, the gate's
+// float32 partials [logit_splits, M, E], whose first split `logits` is).
+RouteOut launch_route(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, const RouteOptions& o,
+                      int32_t logit_splits = 1, bool after_gate = false) {
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
-  auto out = empty_route_outputs(x, x.sym_size(0), k);
-  auto args = route_args(x, b, o, out);
+  auto out = empty_route_outputs(logits, logits.sym_size(0), o.k);
+  auto args = route_args(logits, b, o, out);
+  args.logit_splits = logit_splits;
+  args.after_gate = after_gate;
   at::Tensor workspace;
   const int64_t ws = routing::route_workspace_floats(args);
   if (ws > 0) {
-    workspace = at::empty({ws}, x.options().dtype(at::kFloat));
+    workspace = at::empty({ws}, logits.options().dtype(at::kFloat));
     args.workspace = workspace.data_ptr<float>();
   }
   C10_CUDA_CHECK(routing::route_cuda(args, c10::cuda::getCurrentCUDAStream()));
   return out;
+}
+
+RouteOut route_cuda(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
+                    c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
+  auto o = check_route("route", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  c10::cuda::CUDAGuard guard(logits.device());
+  return launch_route(logits.contiguous(), bias, o);
 }
 
 RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -36,39 +44,29 @@ RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, c
                            bool renormalize, double scale) {
   check_dense_router(hidden, weight);
   c10::cuda::CUDAGuard guard(hidden.device());
-  // Small M, bf16: lowbit's split-K tensor-core gate GEMM, its float32
-  // partial sums added in split order by the routing kernel (two launches,
-  // deterministic; docs/PERF.md, dense_router v3). Otherwise cuBLAS with
-  // float32 output, then route.
+  // Small M, bf16, aligned, route's fast path: lowbit's split-K tensor-core
+  // gate GEMM, its float32 partial sums added in split order by the routing
+  // kernel, launched as the gate's dependent (deterministic; docs/PERF.md,
+  // dense_router v3). Otherwise cuBLAS with float32 output, then route.
   const int64_t tokens = hidden.size(0), experts = weight.size(0), hidden_size = hidden.size(1);
-  if (hidden.scalar_type() == at::kBFloat16 && routing::dense_gate_supported(tokens, experts, hidden_size)) {
+  if (hidden.scalar_type() == at::kBFloat16 && routing::dense_gate_supported(tokens, experts, hidden_size) &&
+      experts <= routing::kFastMaxExperts && k <= routing::kFastMaxTopK) {
     auto x = hidden.contiguous();
     auto w = weight.contiguous();
-    const bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0;
-    const int32_t splits = routing::dense_gate_splits(tokens, experts, hidden_size);
-    auto partial = at::empty({splits, tokens, experts}, x.options().dtype(at::kFloat));
-    auto logits = partial[0];
-    auto o = check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
-    c10::optional<at::Tensor> b;
-    if (bias.has_value()) b = bias->contiguous();
-    auto out = empty_route_outputs(logits, tokens, k);
-    auto args = route_args(logits, b, o, out);
-    if (aligned && routing::route_workspace_floats(args) == 0) {
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0) {
+      const int32_t splits = routing::dense_gate_splits(tokens, experts, hidden_size);
+      auto partial = at::empty({splits, tokens, experts}, x.options().dtype(at::kFloat));
+      auto o = check_route("dense_router", partial[0], bias, k, score_func, n_group, topk_group, renormalize, scale);
       const routing::DenseGateArgs gate{x.data_ptr(), w.data_ptr(), tokens, experts, hidden_size, splits,
                                         partial.data_ptr<float>()};
-      const auto stream = c10::cuda::getCurrentCUDAStream();
-      C10_CUDA_CHECK(routing::dense_gate_cuda(gate, stream));
-      args.logit_splits = splits;
-      args.after_gate = true;
-      C10_CUDA_CHECK(routing::route_cuda(args, stream));
-      return out;
+      C10_CUDA_CHECK(routing::dense_gate_cuda(gate, c10::cuda::getCurrentCUDAStream()));
+      return launch_route(partial[0], bias, o, splits, /*after_gate=*/true);
     }
   }
   auto logits = hidden.scalar_type() == at::kBFloat16 ? at::mm(hidden, weight.t(), at::kFloat)
                                                       : at::mm(hidden, weight.t());
-  check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
-  return route_cuda(logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  auto o = check_route("dense_router", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  return launch_route(logits, bias, o);
 }
 
 RouteOut hash_router_cuda(const at::Tensor& token_ids, const at::Tensor& tid2eid,
