@@ -30,20 +30,33 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
   return d;
 }
 
+// d = f(a, b, c) for the 3-input truth table kLut (0xf8: a | (b & c),
+// 0xea: (a & b) | c).
+template <int kLut>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLut));
+  return d;
+}
+
 template <typename T> struct Mma;
 
 template <> struct Mma<__nv_bfloat16> {
   // Codes as bf16 e2m1 * 2^-126 (bf16 subnormal for 0.5).
+  // The integer pipe is what limits the small-M GEMM (ncu: ALU ~70% busy),
+  // so the rotates whose masked bits do not wrap are written as multiplies
+  // by powers of two, which the compiler issues on the FMA pipe (IMAD.SHL).
   __device__ __forceinline__ static void decode(uint32_t w, uint32_t (&r)[4]) {
     constexpr uint32_t kS = 0x80008000u, kM = 0x01c001c0u;
     r[0] = w & (kS | kM);
-    r[1] = rotl(w, 3) & (kS | kM);
-    r[2] = (rotl(w, 6) & kM) | (rotl(w, 1) & kS);
-    r[3] = (rotl(w, 13) & kM) | (rotl(w, 2) & kS);
+    r[1] = (w * 8u) & (kS | kM);                                  // rotl 3
+    r[2] = lop3<0xf8>((w * 2u) & kS, w * 64u, kM);                // rotl 1 (sign) | rotl 6 (magnitude)
+    r[3] = lop3<0xf8>((w * 4u) & kS, rotl(w, 13), kM);            // rotl 2 | rotl 13 (wraps)
   }
-  // scale * 2^118 in both halves, from the byte picked by sel.
+  // scale * 2^118 in both halves, from the byte picked by sel: one LOP3
+  // (a & mask) | bias with the bias in a register.
   __device__ __forceinline__ static uint32_t multiplier(uint32_t word, uint32_t sel) {
-    return (prmt(word, sel) & 0x0ff00ff0u) | 0x70007000u;
+    return lop3<0xea>(prmt(word, sel), 0x0ff00ff0u, 0x70007000u);
   }
   __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
     uint32_t d;
