@@ -1,14 +1,21 @@
 // CUDA kernels of the NVFP4 Linear: prepack, unpack (dequantize the prepacked
 // weight, used by the large-M path: unpack + cuBLAS in the binding), and the
-// fused small-M GEMM.
+// two fused GEMMs linear_plan chooses between (nvfp4_gemm.h):
 //
-// Fused small-M GEMM (M <= kFusedMaxM): one CTA of 8 warps per 16-row tile of
-// W (and per split of K, and per 16 rows of x), built from the decode + mma
-// main loop of nvfp4_mma.cuh; the weight is read once, in 1 KB coalesced
-// pieces, by all SMs at once. The warps' partial sums are added in a fixed
-// order in shared memory; with one split the CTA applies global * 2^8 and the
-// bias and writes the output, otherwise it writes an FP32 partial and a
-// second kernel adds the splits in order (deterministic: no atomics).
+// Narrow (M <= 16): one CTA of 8 warps per 16-row tile of W (and per split
+// of K), built from the register-pipelined decode + mma main loop of
+// nvfp4_mma.cuh; the weight is read once, in 1 KB coalesced pieces, by all
+// SMs at once. The warps' partial sums are added in a fixed order in shared
+// memory.
+// Wide (M <= 128): 8 warps on 128 rows of W sharing 32 or 64 rows of x staged
+// in shared memory (wide_mainloop), K split to fill the SMs.
+// Both apply global * 2^8 and the bias in the epilogue when K is not split;
+// otherwise they write FP32 partials and split_reduce_kernel, launched as a
+// programmatic dependent, adds them in split order (deterministic: no
+// atomics).
+#include <algorithm>
+#include <cstdint>
+
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
@@ -48,6 +55,23 @@ __global__ void fill_scale_kernel(uint8_t* __restrict__ scale, int64_t count, ui
 using mma::kThreads;
 using mma::kWarps;
 
+// The fused GEMMs' last step for output (row, column o) at flat index
+// row * N + o: the whole-K sum with one split, written as
+// sum * global * 2^8 (+ bias) in T; with several, this split's FP32 partial
+// at partials[split][row][o].
+template <typename T>
+__device__ __forceinline__ void finish_output(float sum, int64_t index, int64_t o, int64_t split, int64_t splits,
+                                              int64_t outputs, const float* global_scale, const T* bias, T* out,
+                                              float* partials) {
+  if (splits > 1) {
+    partials[split * outputs + index] = sum;
+    return;
+  }
+  float y = sum * (__ldg(global_scale) * kDecodeUnscale);
+  if (bias) y += cuda::to_float(bias[o]);
+  out[index] = cuda::from_float<T>(y);
+}
+
 // Unpack: one thread per lane word (8 codes of two rows in one k-tile),
 // decoded exactly as the GEMM does (e2m1 * scale * 2^-8 in bf16), then
 // * global * 2^8 in FP32 and one rounding to T; each row's 4 values are
@@ -85,15 +109,16 @@ __global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t
   cuda::store4(out + (row + 8) * k + col, v_hi);
 }
 
+// ---- small M: the narrow kernel ---------------------------------------------
 // grid: (ceil(M / (8 MT)), N / 16, splits). Output tile: 16 rows of W x 8 MT
 // rows of x.
-// ---- fused small-M GEMM -------------------------------------------------------
 
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_fused_kernel(
+__global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_narrow_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  cuda::allow_dependent_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = int64_t(blockIdx.x) * 8 * MT;
   const int64_t nt = blockIdx.y;
@@ -119,50 +144,117 @@ __global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_fused_ke
     const int r = e % 16, mc = e / 16;  // r: row of the W tile, mc: row of x in the CTA
     const int64_t row = m0 + mc, o = nt * 16 + r;
     if (row >= m) continue;
-    const float sum = partial.sum(r, mc);
-    if (gridDim.z == 1) {
-      float y = sum * (__ldg(global_scale) * kDecodeUnscale);
-      if (bias) y += cuda::to_float(bias[o]);
-      out[row * n + o] = cuda::from_float<T>(y);
-    } else {
-      workspace[(int64_t(blockIdx.z) * m + row) * n + o] = sum;
-    }
+    finish_output(partial.sum(r, mc), row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
+                  workspace);
   }
 }
 
+// ---- medium M: the wide kernel ----------------------------------------------
+// grid (ceil(N / 128), ceil(M / (8 MT)), splits): 8 warps on 8 consecutive
+// 16-row W tiles sharing x's rows staged in shared memory
+// (nvfp4_mma.cuh, wide_mainloop), each over one split of K. One split: the
+// output directly; more: FP32 partials [splits, M, N] added in split order
+// by split_reduce_kernel.
+
+// CTAs per SM the wide kernel is compiled for (registers; shared memory
+// holds as many).
+template <int MT> constexpr int kWideCtasPerSm = MT == 4 ? 3 : 2;
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
+    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  cuda::allow_dependent_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
+  const bool active = nt < n / kTileN;
+  const int64_t m0 = int64_t(blockIdx.y) * 8 * MT;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  const int64_t kc0 = int64_t(blockIdx.z) * tiles_per_split, kc1 = min(tiles_k, kc0 + tiles_per_split);
+  const T* xsrc[MT / 2];
+#pragma unroll
+  for (int j = 0; j < MT / 2; ++j)
+    xsrc[j] = x + min(m0 + threadIdx.x / 16 + 16 * j, m - 1) * k + (threadIdx.x % 16) * 8;
+  const int64_t row_tile = active ? nt : 0;
+  extern __shared__ uint4 wide_smem[];
+  auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
+  float acc[MT][4];
+  mma::wide_mainloop<T, MT>(acc, sm, xsrc, reinterpret_cast<const uint4*>(weight) + row_tile * tiles_k * (kTileBytes / 16),
+                            reinterpret_cast<const uint4*>(scale) + row_tile * tiles_k * (kTileScaleBytes / 16), active,
+                            k, kc0, kc1);
+  if (!active) return;
+  const int64_t o = nt * kTileN + g;  // acc[mt][i]: W row o at x row 8 mt + 2 tq + i; acc[mt][2 + i]: row o + 8
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t row = m0 + mt * 8 + 2 * tq + i;
+      if (row >= m) continue;
+      finish_output(acc[mt][i], row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out, partials);
+      finish_output(acc[mt][2 + i], row * n + o + 8, o + 8, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
+                    partials);
+    }
+}
+
+// out = sum over splits of partials [splits, M, N], in split order, * global + bias.
 template <typename T>
-__global__ void split_reduce_kernel(const float* __restrict__ workspace, int64_t splits, int64_t m, int64_t n,
+__global__ void split_reduce_kernel(const float* __restrict__ partials, int64_t splits, int64_t m, int64_t n,
                                     const float* __restrict__ global_scale, const T* __restrict__ bias,
                                     T* __restrict__ out) {
+  cuda::wait_for_previous_grid();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= m * n) return;
   float sum = 0.f;
-  for (int64_t s = 0; s < splits; ++s) sum += workspace[s * m * n + i];
-  float y = sum * (__ldg(global_scale) * kDecodeUnscale);
-  if (bias) y += cuda::to_float(bias[i % n]);
-  out[i] = cuda::from_float<T>(y);
-}
-
-template <typename T, int MT>
-cudaError_t launch_fused(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
-  const int64_t tiles_k = padded_k(a.k) / kTileK;
-  const int64_t per_split = cuda::ceil_div(tiles_k, splits);
-  dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.m, 8 * MT)), static_cast<unsigned>(a.n / kTileN),
-            static_cast<unsigned>(splits));
-  linear_fused_kernel<T, MT><<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-      static_cast<T*>(a.out), a.workspace, a.m, a.n, a.k, per_split);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || splits == 1) return err;
-  split_reduce_kernel<T><<<cuda::ceil_div(a.m * a.n, 256), 256, 0, stream>>>(
-      a.workspace, splits, a.m, a.n, a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out));
-  return cudaGetLastError();
+  for (int64_t s = 0; s < splits; ++s) sum += partials[s * m * n + i];
+  finish_output(sum, i, i % n, 0, 1, m * n, global_scale, bias, out, static_cast<float*>(nullptr));
 }
 
 template <typename T>
-cudaError_t launch_fused_typed(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
-  if (a.m <= 8) return launch_fused<T, 1>(a, splits, stream);
-  return launch_fused<T, 2>(a, splits, stream);
+cudaError_t launch_split_reduce(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
+  return cuda::launch_dependent(split_reduce_kernel<T>, dim3(unsigned(cuda::ceil_div(a.m * a.n, 256))), dim3(256),
+                                stream, static_cast<const float*>(a.workspace), splits, a.m, a.n, a.global_scale,
+                                static_cast<const T*>(a.bias), static_cast<T*>(a.out));
+}
+
+template <typename T, int MT>
+cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  constexpr int smem = sizeof(mma::WideSmem<T, MT>);
+  cudaError_t err = cudaFuncSetAttribute(linear_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles_k = padded_k(a.k) / kTileK;
+  const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, 8)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
+                  unsigned(p.splits));
+  linear_wide_kernel<T, MT><<<grid, kThreads, smem, stream>>>(
+      static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
+      static_cast<T*>(a.out), a.workspace, a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
+  if ((err = cudaGetLastError()) != cudaSuccess || p.splits == 1) return err;
+  return launch_split_reduce<T>(a, p.splits, stream);
+}
+
+template <typename T, int MT>
+cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  const int64_t tiles_k = padded_k(a.k) / kTileK;
+  dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.m, 8 * MT)), static_cast<unsigned>(a.n / kTileN),
+            static_cast<unsigned>(p.splits));
+  linear_narrow_kernel<T, MT><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
+      static_cast<T*>(a.out), a.workspace, a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.splits == 1) return err;
+  return launch_split_reduce<T>(a, p.splits, stream);
+}
+
+template <typename T>
+cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  switch (p.path) {
+    case LinearPath::kNarrow:
+      return p.mt == 1 ? launch_narrow<T, 1>(a, p, stream) : launch_narrow<T, 2>(a, p, stream);
+    case LinearPath::kWide:
+      return p.mt == 4 ? launch_wide<T, 4>(a, p, stream) : launch_wide<T, 8>(a, p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -205,25 +297,47 @@ cudaError_t unpack_cuda(const UnpackArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-int64_t fused_splits(int64_t m, int64_t n, int64_t k) {
-  // At least one CTA per SM (they hold 8 warps each, 2-3 fit on an SM); no
-  // split when the N tiles alone give that, which saves the reduce kernel.
-  const int64_t tiles_k = padded_k(k) / kTileK;
-  const int64_t ctas = cuda::ceil_div(m, m <= 8 ? 8 : 16) * (n / kTileN);
-  const int64_t target = int64_t(cuda::num_sms());
-  int64_t splits = ctas >= target ? 1 : cuda::ceil_div(target, ctas);
-  // each warp of a split should get at least one tile
-  const int64_t max_splits = tiles_k / kWarps > 1 ? tiles_k / kWarps : 1;
-  if (splits > max_splits) splits = max_splits;
-  // no empty split
-  const int64_t per = cuda::ceil_div(tiles_k, splits);
-  return cuda::ceil_div(tiles_k, per);
+LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
+  LinearPlan p{};
+  const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
+  const int64_t sms = cuda::num_sms();
+  if (m <= kNarrowMaxM) {
+    // At least one CTA per SM (2-3 fit on one); no split when the W tiles
+    // alone give that (no reduce kernel); every warp of a split gets a tile.
+    p.path = LinearPath::kNarrow;
+    p.mt = m <= 8 ? 1 : 2;
+    const int64_t splits = std::min(ntiles >= sms ? 1 : cuda::ceil_div(sms, ntiles),
+                                    std::max<int64_t>(1, tiles_k / kWarps));
+    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));  // no empty split
+  } else {
+    // Split K to fill the SMs: the splits s (at least 4 k-tiles each)
+    // minimizing waves(CTAs * s) * (k-tiles per split + 6), the 6 standing
+    // for a CTA's pipeline fill, epilogue and partials. Fitted on H100 runs
+    // (docs/PERF.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
+    // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
+    p.path = LinearPath::kWide;
+    p.mt = m <= 32 ? 4 : 8;
+    const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
+    const int64_t resident = (p.mt == 4 ? kWideCtasPerSm<4> : kWideCtasPerSm<8>) * sms;
+    int64_t best = 1, best_cost = INT64_MAX;
+    for (int64_t splits = 1; splits <= std::max<int64_t>(1, tiles_k / 4); ++splits) {
+      const int64_t per = cuda::ceil_div(tiles_k, splits);
+      const int64_t cost = cuda::ceil_div(ctas * cuda::ceil_div(tiles_k, per), resident) * (per + 6);
+      if (cost < best_cost) {
+        best = splits;
+        best_cost = cost;
+      }
+    }
+    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, best));
+  }
+  p.workspace_floats = p.splits > 1 ? p.splits * m * n : 0;
+  return p;
 }
 
-cudaError_t linear_fused_cuda(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
+cudaError_t linear_fused_cuda(const LinearArgs& a, const LinearPlan& plan, cudaStream_t stream) {
   if (a.m == 0 || a.n == 0) return cudaSuccess;
-  if (a.dtype == DType::kBFloat16) return launch_fused_typed<__nv_bfloat16>(a, splits, stream);
-  if (a.dtype == DType::kFloat16) return launch_fused_typed<__half>(a, splits, stream);
+  if (a.dtype == DType::kBFloat16) return launch_typed<__nv_bfloat16>(a, plan, stream);
+  if (a.dtype == DType::kFloat16) return launch_typed<__half>(a, plan, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -30,7 +30,7 @@ struct UnpackArgs {
   DType out_dtype;
 };
 
-// Small-M fused GEMM (CUDA only): out [M, N] = x [M, K] W^T * global + bias.
+// Fused GEMM (CUDA only): out [M, N] = x [M, K] W^T * global + bias.
 struct LinearArgs {
   const void* x;               // [M, K] contiguous, 16-byte aligned, dtype
   DType dtype;                 // kBFloat16 or kFloat16
@@ -40,7 +40,7 @@ struct LinearArgs {
   const void* bias;            // [N] dtype, or null
   void* out;                   // [M, N] dtype
   int64_t m, n, k;
-  float* workspace;            // [splits, M, N] when splits > 1
+  float* workspace;            // LinearPlan::workspace_floats FP32 values (null when 0)
 };
 
 void prepack_cpu(const PrepackArgs& args);
@@ -50,13 +50,24 @@ void unpack_cpu(const UnpackArgs& args);
 cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);
 cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 
-// Largest M the fused small-M kernel takes; larger M goes through unpack +
-// cuBLAS in the binding (measured faster from M = 64 on, docs/PERF.md).
-constexpr int64_t kFusedMaxM = 32;
-// Split-K factor the fused kernel uses for this problem (workspace floats =
-// splits * m * n when it is > 1).
-int64_t fused_splits(int64_t m, int64_t n, int64_t k);
-cudaError_t linear_fused_cuda(const LinearArgs& args, int64_t splits, cudaStream_t stream);
+// How the fused GEMM runs a problem, chosen on the host from the shape and
+// the device (nvfp4_gemm.cu describes the kernels):
+//   M <= kNarrowMaxM  narrow kernel: 8 warps per 16-row W tile, split-K when
+//                     the W tiles alone do not fill the SMs
+//   M <= kFusedMaxM   wide kernel: 128 W rows x 32 or 64 x rows per CTA, x in
+//                     shared memory, split-K to fill the SMs
+// Larger M is left to the caller (unpack + cuBLAS in the binding).
+constexpr int64_t kNarrowMaxM = 16;
+constexpr int64_t kFusedMaxM = 128;
+enum class LinearPath { kNarrow, kWide };
+struct LinearPlan {
+  LinearPath path;
+  int mt;                    // 8-row m-tiles per warp
+  int64_t splits;            // K splits (FP32 partials added in split order when > 1)
+  int64_t workspace_floats;  // FP32 workspace the launch needs
+};
+LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
+cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::nvfp4::gemm

@@ -269,23 +269,25 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // xsrc[j]: this thread's staged row j (x row threadIdx.x / 16 + 16 j of the
 // CTA, clamped to a valid row by the caller) at column 8 (threadIdx.x % 16).
 // wtiles / stiles: this warp's W tile row (ignored when !warp_active, for
-// warps past N). Columns >= k are staged as zeros (the weight's padding
-// codes are zero, and 0 * stale data could be NaN). sm: dynamic shared
-// memory of sizeof(WideSmem<T, MT>) bytes.
+// warps past N). Sums k-tiles [kc_begin, kc_end). Columns >= k are staged as
+// zeros (the weight's padding codes are zero, and 0 * stale data could be
+// NaN). sm: dynamic shared memory of sizeof(WideSmem<T, MT>) bytes.
 template <typename T, int MT>
 __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, MT>& sm,
                                               const T* const (&xsrc)[MT / 2], const uint4* __restrict__ wtiles,
-                                              const uint4* __restrict__ stiles, bool warp_active, int64_t k) {
+                                              const uint4* __restrict__ stiles, bool warp_active, int64_t k,
+                                              int64_t kc_begin, int64_t kc_end) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
-  const int64_t tiles_k = padded_k(k) / kTileK;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-  // One commit group per k-tile (empty past the end), so wait_group counts stay uniform.
-  auto stage = [&](int buf, int64_t kc) {
-    if (kc < tiles_k) {
+  // One commit group per k-tile (empty past the end), so wait_group counts
+  // stay uniform. Ring slot of k-tile kc: (kc - kc_begin) % kWideStages.
+  auto stage = [&](int64_t kc) {
+    if (kc < kc_end) {
+      const int buf = static_cast<int>((kc - kc_begin) % kWideStages);
       const bool valid = kc * kTileK + chunk * 8 < k;  // xsrc already points at column 8 chunk
 #pragma unroll
       for (int j = 0; j < MT / 2; ++j)
@@ -300,13 +302,13 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
     }
     cp_async_commit();
   };
-  stage(0, 0);
-  stage(1, 1);
-  for (int64_t kc = 0; kc < tiles_k; ++kc) {
-    const int buf = static_cast<int>(kc % kWideStages);
+  stage(kc_begin);
+  stage(kc_begin + 1);
+  for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
+    const int buf = static_cast<int>((kc - kc_begin) % kWideStages);
     cp_async_wait<kWideStages - 2>();  // this thread's copies of tile kc have landed
     __syncthreads();                   // everyone's have; and tile kc - 1's buffer is free
-    stage(static_cast<int>((kc + 2) % kWideStages), kc + 2);
+    stage(kc + 2);
     if (!warp_active) continue;
     const uint4 w0 = sm.w[buf][warp][lane], w1 = sm.w[buf][warp][32 + lane];
     const uint4 sc = sm.w[buf][warp][64 + lane / 4];

@@ -235,7 +235,7 @@ __device__ __forceinline__ bool wide_tile_sums(float (&acc)[MT][4], int64_t& nt,
   extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
   auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
   gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k),
-                                  active, k);
+                                  active, k, 0, tiles_k);
   return active;
 }
 

@@ -1,8 +1,8 @@
 // CUDA kernels of lowbit::nvfp4_prepack / nvfp4_linear: adapters to the core
 // launchers in csrc/lowbit/nvfp4_gemm.cu, and the M dispatch:
-//   M <= kFusedMaxM  fused decode + mma.sync kernel (split-K when N alone
-//                    does not fill the SMs; FP32 workspace from the caching
-//                    allocator, reduced in a fixed order)
+//   M <= kFusedMaxM  fused decode + mma.sync kernels (gemm::linear_plan picks
+//                    one; FP32 workspace from the caching allocator, reduced
+//                    in a fixed order)
 //   larger M         unpack the weight to x's dtype (global scale included)
 //                    into a temporary and call cuBLAS through at::linear.
 #include <ATen/cuda/CUDAContext.h>
@@ -56,7 +56,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
     return at::linear(x2, dequant, bias).view(out_shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
-  const int64_t splits = gemm::fused_splits(m, n, k);
+  const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
   at::Tensor workspace;
   gemm::LinearArgs a{};
   a.x = x2.data_ptr();
@@ -73,11 +73,11 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   a.m = m;
   a.n = n;
   a.k = k;
-  if (splits > 1) {
-    workspace = at::empty({splits, m, n}, x.options().dtype(at::kFloat));
+  if (plan.workspace_floats > 0) {
+    workspace = at::empty({plan.workspace_floats}, x.options().dtype(at::kFloat));
     a.workspace = workspace.data_ptr<float>();
   }
-  C10_CUDA_CHECK(gemm::linear_fused_cuda(a, splits, stream));
+  C10_CUDA_CHECK(gemm::linear_fused_cuda(a, plan, stream));
   return out.view(out_shape);
 }
 

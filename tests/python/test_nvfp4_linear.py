@@ -245,12 +245,26 @@ def test_compile_inductor_fullgraph():
 
 cuda = pytest.mark.cuda
 
-CUDA_M = [1, 2, 5, 8, 9, 16, 32, 33, 64, 65, 300]
+# Every path of the CUDA dispatch and its edges: the streaming kernel (one or
+# two m-tiles), the wide kernel (32 or 64 rows per CTA, several row blocks),
+# unpack + cuBLAS.
+CUDA_M = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 300]
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(16, 16), (48, 400), (1536, 4096), (4096, 1024), (256, 7168)])
+@pytest.mark.parametrize(
+    "n,k",
+    [
+        (16, 16),
+        (48, 400),  # one warp per whole W tile row: no partials
+        (1024, 128),  # whole W tile rows, several per warp
+        (1536, 4096),
+        (4096, 1024),
+        (256, 7168),  # W tile rows cut between many warps
+        (2048, 2176),  # K not a multiple of 128, every run crossing rows
+    ],
+)
 def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
     gen = torch.Generator().manual_seed(n + k)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
