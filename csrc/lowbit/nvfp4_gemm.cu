@@ -177,12 +177,12 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
   for (int j = 0; j < MT / 2; ++j)
     xsrc[j] = x + min(m0 + threadIdx.x / 16 + 16 * j, m - 1) * k + (threadIdx.x % 16) * 8;
   const int64_t row_tile = active ? nt : 0;
+  const uint4* wtiles = reinterpret_cast<const uint4*>(weight) + row_tile * tiles_k * (kTileBytes / 16);
+  const uint4* stiles = reinterpret_cast<const uint4*>(scale) + row_tile * tiles_k * (kTileScaleBytes / 16);
   extern __shared__ uint4 wide_smem[];
   auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
-  mma::wide_mainloop<T, MT>(acc, sm, xsrc, reinterpret_cast<const uint4*>(weight) + row_tile * tiles_k * (kTileBytes / 16),
-                            reinterpret_cast<const uint4*>(scale) + row_tile * tiles_k * (kTileScaleBytes / 16), active,
-                            k, kc0, kc1);
+  mma::wide_mainloop<T, MT>(acc, sm, xsrc, wtiles, stiles, active, k, kc0, kc1);
   if (!active) return;
   const int64_t o = nt * kTileN + g;  // acc[mt][i]: W row o at x row 8 mt + 2 tq + i; acc[mt][2 + i]: row o + 8
 #pragma unroll
