@@ -147,19 +147,27 @@ __device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt,
   a[3] = Mma<T>::mul(a[3], mult_hi);
 }
 
-template <typename T, int MT>
-__device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[MT][4]) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(st.w);
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(&st.s);
+// One 128-column tile, shared by both main loops: this lane's A fragment of
+// k-tile kt decoded from its code word w[kt] and scale word s[kt / 2], then
+// one mma per m-tile with the B fragment b_of(mt, kt) (a uint2 of x).
+template <typename T, int MT, typename BOf>
+__device__ __forceinline__ void mma_tile(const uint32_t* w, const uint32_t* s, BOf&& b_of, float (&acc)[MT][4]) {
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
     uint32_t a[4];
     decode_fragment<T>(w[kt], s[kt / 2], kt, a);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      Mma<T>::mma(acc[mt], a, st.x[mt][kt].x, st.x[mt][kt].y);
+      const uint2 b = b_of(mt, kt);
+      Mma<T>::mma(acc[mt], a, b.x, b.y);
     }
   }
+}
+
+template <typename T, int MT>
+__device__ __forceinline__ void compute_stage(const Stage<MT>& st, float (&acc)[MT][4]) {
+  mma_tile<T, MT>(reinterpret_cast<const uint32_t*>(st.w), reinterpret_cast<const uint32_t*>(&st.s),
+                  [&](int mt, int kt) { return st.x[mt][kt]; }, acc);
 }
 
 // Register stages in flight per warp: three (two tiles loading while one is
@@ -314,16 +322,9 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
     const uint4 sc = sm.w[buf][warp][64 + lane / 4];
     const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      uint32_t a[4];
-      decode_fragment<T>(w[kt], s[kt / 2], kt, a);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint2 b = *reinterpret_cast<const uint2*>(&sm.x[buf][mt * 8 + g][kt * 16 + t * 4]);
-        Mma<T>::mma(acc[mt], a, b.x, b.y);
-      }
-    }
+    mma_tile<T, MT>(
+        w, s, [&](int mt, int kt) { return *reinterpret_cast<const uint2*>(&sm.x[buf][mt * 8 + g][kt * 16 + t * 4]); },
+        acc);
   }
 }
 
