@@ -1,6 +1,7 @@
 // CUDA kernels of the NVFP4 Linear: prepack, unpack (dequantize the prepacked
-// weight, used by the large-M path: unpack + cuBLAS in the binding), and the
-// two fused GEMMs linear_plan chooses between (nvfp4_gemm.h):
+// weight, used by the largest-M path: unpack + cuBLAS in the binding), the
+// two mma.sync GEMMs below and linear_plan, which also picks the wgmma
+// kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
 //
 // Narrow (M <= 16): one CTA of 8 warps per 16-row tile of W (and per split
 // of K), built from the register-pipelined decode + mma main loop of
@@ -227,7 +228,7 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
                   unsigned(p.splits));
   linear_wide_kernel<T, MT><<<grid, kThreads, smem, stream>>>(
       static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-      static_cast<T*>(a.out), a.workspace, a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
+      static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
   if ((err = cudaGetLastError()) != cudaSuccess || p.splits == 1) return err;
   return launch_split_reduce<T>(a, p.splits, stream);
 }
@@ -239,7 +240,7 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
             static_cast<unsigned>(p.splits));
   linear_narrow_kernel<T, MT><<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-      static_cast<T*>(a.out), a.workspace, a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
+      static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_split_reduce<T>(a, p.splits, stream);
@@ -252,6 +253,8 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
       return p.mt == 1 ? launch_narrow<T, 1>(a, p, stream) : launch_narrow<T, 2>(a, p, stream);
     case LinearPath::kWide:
       return p.mt == 4 ? launch_wide<T, 4>(a, p, stream) : launch_wide<T, 8>(a, p, stream);
+    case LinearPath::kWgmma:
+      return linear_wgmma_cuda(a, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -309,7 +312,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     const int64_t splits = std::min(ntiles >= sms ? 1 : cuda::ceil_div(sms, ntiles),
                                     std::max<int64_t>(1, tiles_k / kWarps));
     p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));  // no empty split
-  } else {
+  } else if (m <= kWideMaxM) {
     // Split K to fill the SMs: the splits s (at least 4 k-tiles each)
     // minimizing waves(CTAs * s) * (k-tiles per split + 6), the 6 standing
     // for a CTA's pipeline fill, epilogue and partials. Fitted on H100 runs
@@ -329,8 +332,16 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       }
     }
     p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, best));
+  } else {
+    // The wgmma kernel has no split-K yet: with fewer 128 x 256 output tiles
+    // than 3/4 of the SMs, unpack + cuBLAS is faster (docs/PERF.md, v6).
+    const bool enough_tiles = 4 * linear_wgmma_tiles(m, n) >= 3 * sms;
+    p.path = m <= kWgmmaMaxM && enough_tiles ? LinearPath::kWgmma : LinearPath::kUnpack;
+    p.splits = 1;
+    p.workspace_bytes = p.path == LinearPath::kWgmma ? linear_wgmma_workspace_bytes(m, k) : 0;
+    return p;
   }
-  p.workspace_floats = p.splits > 1 ? p.splits * m * n : 0;
+  p.workspace_bytes = p.splits > 1 ? p.splits * m * n * int64_t{sizeof(float)} : 0;
   return p;
 }
 

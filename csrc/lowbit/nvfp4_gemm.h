@@ -30,7 +30,7 @@ struct UnpackArgs {
   DType out_dtype;
 };
 
-// Fused GEMM (CUDA only): out [M, N] = x [M, K] W^T * global + bias.
+// Fused GEMMs (CUDA only): out [M, N] = x [M, K] W^T * global + bias.
 struct LinearArgs {
   const void* x;               // [M, K] contiguous, 16-byte aligned, dtype
   DType dtype;                 // kBFloat16 or kFloat16
@@ -40,7 +40,7 @@ struct LinearArgs {
   const void* bias;            // [N] dtype, or null
   void* out;                   // [M, N] dtype
   int64_t m, n, k;
-  float* workspace;            // LinearPlan::workspace_floats FP32 values (null when 0)
+  void* workspace;             // LinearPlan::workspace_bytes, 256-byte aligned (null when 0)
 };
 
 void prepack_cpu(const PrepackArgs& args);
@@ -54,20 +54,35 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 // the device (nvfp4_gemm.cu describes the kernels):
 //   M <= kNarrowMaxM  narrow kernel: 8 warps per 16-row W tile, split-K when
 //                     the W tiles alone do not fill the SMs
-//   M <= kFusedMaxM   wide kernel: 128 W rows x 32 or 64 x rows per CTA, x in
+//   M <= kWideMaxM    wide kernel: 128 W rows x 32 or 64 x rows per CTA, x in
 //                     shared memory, split-K to fill the SMs
-// Larger M is left to the caller (unpack + cuBLAS in the binding).
+//   M <= kWgmmaMaxM   wgmma kernel (nvfp4_gemm_wgmma.cu) when its tiles fill
+//                     3/4 of the SMs: persistent, 128 W rows x 256 x rows per tile, x copied once into a
+//                     K-permuted, swizzled image (the workspace) that bulk
+//                     copies move into shared memory as the wgmma B operand
+//   otherwise         kUnpack: left to the caller (unpack the weight + cuBLAS
+//                     in the binding): above 2048 rows the unpack costs less
+//                     than the wgmma kernel's distance to cuBLAS, and with few
+//                     tiles the wgmma kernel (no split-K) leaves SMs idle
+//                     (docs/PERF.md)
 constexpr int64_t kNarrowMaxM = 16;
-constexpr int64_t kFusedMaxM = 128;
-enum class LinearPath { kNarrow, kWide };
+constexpr int64_t kWideMaxM = 128;
+constexpr int64_t kWgmmaMaxM = 2048;
+enum class LinearPath { kNarrow, kWide, kWgmma, kUnpack };
 struct LinearPlan {
   LinearPath path;
-  int mt;                    // 8-row m-tiles per warp
+  int mt;                    // narrow / wide: 8-row m-tiles per warp
   int64_t splits;            // K splits (FP32 partials added in split order when > 1)
-  int64_t workspace_floats;  // FP32 workspace the launch needs
+  int64_t workspace_bytes;   // device workspace the launch needs
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
+
+// The wgmma kernel (nvfp4_gemm_wgmma.cu): its output tiles, workspace and
+// launch.
+int64_t linear_wgmma_tiles(int64_t m, int64_t n);
+int64_t linear_wgmma_workspace_bytes(int64_t m, int64_t k);
+cudaError_t linear_wgmma_cuda(const LinearArgs& args, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::nvfp4::gemm

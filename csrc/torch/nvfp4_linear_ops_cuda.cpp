@@ -1,10 +1,10 @@
 // CUDA kernels of lowbit::nvfp4_prepack / nvfp4_linear: adapters to the core
-// launchers in csrc/lowbit/nvfp4_gemm.cu, and the M dispatch:
-//   M <= kFusedMaxM  fused decode + mma.sync kernels (gemm::linear_plan picks
-//                    one; FP32 workspace from the caching allocator, reduced
-//                    in a fixed order)
-//   larger M         unpack the weight to x's dtype (global scale included)
-//                    into a temporary and call cuBLAS through at::linear.
+// launchers in csrc/lowbit/nvfp4_gemm*.cu. gemm::linear_plan picks the
+// kernel from M (narrow mma.sync up to 16 rows, wide mma.sync up to 128,
+// wgmma up to 2048) and the workspace it needs (FP32 split-K partials, or
+// the x image of the wgmma kernel), taken from the caching allocator. Above
+// 2048 rows the weight is unpacked to x's dtype (global scale included)
+// into a temporary and cuBLAS runs through at::linear.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -50,13 +50,13 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   auto g = weight_global.contiguous();
   if (m == 0 || n == 0) return at::zeros(out_shape, x.options());
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
-  if (m > gemm::kFusedMaxM) {
+  const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
+  if (plan.path == gemm::LinearPath::kUnpack) {
     at::Tensor dequant = at::empty({n, k}, x.options());
     C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, dequant), stream));
     return at::linear(x2, dequant, bias).view(out_shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
-  const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
   at::Tensor workspace;
   gemm::LinearArgs a{};
   a.x = x2.data_ptr();
@@ -73,9 +73,9 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   a.m = m;
   a.n = n;
   a.k = k;
-  if (plan.workspace_floats > 0) {
-    workspace = at::empty({plan.workspace_floats}, x.options().dtype(at::kFloat));
-    a.workspace = workspace.data_ptr<float>();
+  if (plan.workspace_bytes > 0) {
+    workspace = at::empty({plan.workspace_bytes}, x.options().dtype(at::kByte));
+    a.workspace = workspace.data_ptr();
   }
   C10_CUDA_CHECK(gemm::linear_fused_cuda(a, plan, stream));
   return out.view(out_shape);

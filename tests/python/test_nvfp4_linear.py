@@ -245,10 +245,11 @@ def test_compile_inductor_fullgraph():
 
 cuda = pytest.mark.cuda
 
-# Every path of the CUDA dispatch and its edges: the streaming kernel (one or
+# Every path of the CUDA dispatch and its edges: the narrow kernel (one or
 # two m-tiles), the wide kernel (32 or 64 rows per CTA, several row blocks),
-# unpack + cuBLAS.
-CUDA_M = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 300]
+# unpack + cuBLAS (above 2048 rows, or few output tiles). The wgmma kernel
+# needs many 128-row W blocks: test_cuda_wgmma_edges.
+CUDA_M = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 300, 1000, 2100]
 
 
 @cuda
@@ -281,6 +282,27 @@ def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_wgmma_edges(dtype):
+    # N = 16 * 769: 97 W blocks of 128 rows, the last one cut at 16 rows;
+    # K = 2176: a partial last k-tile; M: partial 256-token tiles, and at
+    # M = 1000 more tiles (388) than SMs, so CTAs loop over several. (At
+    # M <= 256 the 97 tiles are too few and unpack + cuBLAS runs instead.)
+    n, k = 16 * 769, 2176
+    gen = torch.Generator().manual_seed(13)
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    deq_cuda = deq.cuda()
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
+    for m in (300, 1000):
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        for b in (None, bias):
+            y = lowbit.nvfp4_linear(x, pw, ps, g, b)
+            want = x.float() @ deq_cuda.T + (0 if b is None else b.float())
+            assert rel_err(y, want) <= REL_TOL, m
+        assert torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, g, bias))  # deterministic
+
+
+@cuda
 def test_cuda_prepack_matches_cpu_bitwise():
     gen = torch.Generator().manual_seed(9)
     q = lowbit.nvfp4_quantize(torch.randn(96, 400, generator=gen))
@@ -300,7 +322,7 @@ def test_cuda_special_scales_and_determinism():
     deq = ref.dequantize(q.packed, codes, q.global_scale).cuda()
     pw, ps = lowbit.nvfp4_prepack(q.packed.cuda(), codes.cuda())
     g = q.global_scale.cuda()
-    for m in (1, 16, 100):
+    for m in (1, 16, 100, 300):
         x = torch.randn(m, 2048, generator=gen).to(torch.bfloat16).cuda()
         y = lowbit.nvfp4_linear(x, pw, ps, g)
         assert rel_err(y, x.float() @ deq.T) <= REL_TOL
