@@ -111,6 +111,6 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, c
 // Streaming multiprocessors of the current device, cached per device.
 int num_sms();
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace lowbit::cuda

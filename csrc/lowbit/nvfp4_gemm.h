@@ -57,9 +57,10 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //   M <= kWideMaxM    wide kernel: 128 W rows x 32 or 64 x rows per CTA, x in
 //                     shared memory, split-K to fill the SMs
 //   M <= kWgmmaMaxM   wgmma kernel (nvfp4_gemm_wgmma.cu) when its tiles fill
-//                     3/4 of the SMs: persistent, 128 W rows x 256 x rows per tile, x copied once into a
-//                     K-permuted, swizzled image (the workspace) that bulk
-//                     copies move into shared memory as the wgmma B operand
+//                     3/4 of the SMs: persistent, 128 W rows x 256 x rows
+//                     per tile, x copied once into a K-permuted, swizzled
+//                     image (the workspace) that bulk copies move into
+//                     shared memory as the wgmma B operand
 //   otherwise         kUnpack: left to the caller (unpack the weight + cuBLAS
 //                     in the binding): above 2048 rows the unpack costs less
 //                     than the wgmma kernel's distance to cuBLAS, and with few

@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // groups of kRasterGroup W blocks; inside a group the W block changes
   // fastest, so the CTAs resident together share few x tiles.
   const int64_t tiles_k = padded_k(k) / kTileK, row_tiles = n / kTileN;
-  const int64_t w_blocks = (n + kRows - 1) / kRows, token_tiles = (m + kTokens - 1) / kTokens;
+  const int64_t w_blocks = cuda::ceil_div(n, kRows), token_tiles = cuda::ceil_div(m, kTokens);
   const int64_t tiles = w_blocks * token_tiles;
   auto coords = [&](int64_t t, int64_t& wb, int64_t& tb) {
     const int64_t group = t / (kRasterGroup * token_tiles), in_group = t % (kRasterGroup * token_tiles);
