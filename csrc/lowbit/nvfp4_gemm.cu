@@ -3,13 +3,15 @@
 // two mma.sync GEMMs below and linear_plan, which also picks the wgmma
 // kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
 //
-// Narrow (M <= 16): one CTA of 8 warps per 16-row tile of W (and per split
-// of K), built from the register-pipelined decode + mma main loop of
-// nvfp4_mma.cuh; the weight is read once, in 1 KB coalesced pieces, by all
-// SMs at once. The warps' partial sums are added in a fixed order in shared
-// memory.
-// Wide (M <= 128): 8 warps on 128 rows of W sharing 32 or 64 rows of x staged
-// in shared memory (wide_mainloop), K split to fill the SMs.
+// Narrow (M <= 16): one CTA of 1, 2, 4 or 8 warps per 16-row tile of W (and
+// per split of K), built from the register-pipelined decode + mma main loop
+// of nvfp4_mma.cuh; the weight is read once, in 1 KB coalesced pieces, by
+// all SMs at once. The warps' partial sums are added in a fixed order in
+// shared memory. Launched as a programmatic dependent: its first W tiles go
+// to L2 while the previous kernel finishes.
+// Wide (M <= 128, and 9..16 with many W tiles): 8 warps on 128 rows of W
+// sharing 16, 32 or 64 rows of x staged in shared memory (wide_mainloop), K
+// split to fill the SMs.
 // Both apply global * 2^8 and the bias in the epilogue when K is not split;
 // otherwise they write FP32 partials and split_reduce_kernel, launched as a
 // programmatic dependent, adds them in split order (deterministic: no
@@ -21,6 +23,7 @@
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
+#include "lowbit/sm90.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
@@ -111,11 +114,17 @@ __global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t
 }
 
 // ---- small M: the narrow kernel ---------------------------------------------
-// grid: (ceil(M / (8 MT)), N / 16, splits). Output tile: 16 rows of W x 8 MT
-// rows of x.
+// grid: (ceil(M / (8 MT)), N / 16, splits), W warps per CTA sharing one
+// 16-row W tile (K split between them, nvfp4_mma.cuh warp_mainloop). Output
+// tile: 16 rows of W x 8 MT rows of x. Launched as a programmatic dependent
+// launch: the CTA's first W tiles are prefetched into L2 while the previous
+// kernel (which may write x) finishes.
 
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_narrow_kernel(
+// CTAs per SM: 16 warps in all (the register budget of kMinBlocks 8-warp CTAs).
+template <int MT, int W> constexpr int kNarrowCtasPerSm = mma::kMinBlocks<MT> * mma::kWarps / W;
+
+template <typename T, int MT, int W>
+__global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
@@ -128,6 +137,14 @@ __global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_narrow_k
   const int64_t kc_end = min(tiles_k, kc_begin + tiles_per_split);
   const uint4* wbase = reinterpret_cast<const uint4*>(weight) + nt * tiles_k * (kTileBytes / 16);
   const uint4* sbase = reinterpret_cast<const uint4*>(scale) + nt * tiles_k * (kTileScaleBytes / 16);
+  if (threadIdx.x == 0) {  // the tiles of every warp's first register stages
+    const int64_t tiles = min(kc_end, kc_begin + mma::kStages<MT> * W) - kc_begin;
+    if (tiles > 0) {
+      sm90::prefetch_l2(wbase + kc_begin * (kTileBytes / 16), uint32_t(tiles * kTileBytes));
+      sm90::prefetch_l2(sbase + kc_begin * (kTileScaleBytes / 16), uint32_t(tiles * kTileScaleBytes));
+    }
+  }
+  cuda::wait_for_previous_grid();
 
   const T* xrow[MT];
 #pragma unroll
@@ -136,12 +153,12 @@ __global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_narrow_k
     xrow[mt] = x + row * k + (lane % 4) * 4;
   }
   float acc[MT][4];
-  mma::warp_mainloop<T, MT>(acc, wbase, sbase, xrow, k, kc_begin, kc_end, warp, lane);
+  mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, k, kc_begin, kc_end, warp, lane);
 
-  __shared__ mma::CtaPartials<MT> partial;
+  __shared__ mma::CtaPartials<MT, W> partial;
   partial.store(acc, warp, lane);
   __syncthreads();
-  for (int e = threadIdx.x; e < 16 * 8 * MT; e += kThreads) {
+  for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
     const int r = e % 16, mc = e / 16;  // r: row of the W tile, mc: row of x in the CTA
     const int64_t row = m0 + mc, o = nt * 16 + r;
     if (row >= m) continue;
@@ -159,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, mma::kMinBlocks<MT>) linear_narrow_k
 
 // CTAs per SM the wide kernel is compiled for (registers; shared memory
 // holds as many).
-template <int MT> constexpr int kWideCtasPerSm = MT == 4 ? 3 : 2;
+template <int MT> constexpr int kWideCtasPerSm = MT <= 4 ? 3 : 2;
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
@@ -233,17 +250,28 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int MT>
+template <typename T, int MT, int W>
 cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
-  dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.m, 8 * MT)), static_cast<unsigned>(a.n / kTileN),
-            static_cast<unsigned>(p.splits));
-  linear_narrow_kernel<T, MT><<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-      static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
-  cudaError_t err = cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.m, 8 * MT)), static_cast<unsigned>(a.n / kTileN),
+                  static_cast<unsigned>(p.splits));
+  cudaError_t err = cuda::launch_dependent(
+      linear_narrow_kernel<T, MT, W>, grid, dim3(32 * W), stream, static_cast<const T*>(a.x), a.weight, a.scale,
+      a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m,
+      a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
   if (err != cudaSuccess || p.splits == 1) return err;
   return launch_split_reduce<T>(a, p.splits, stream);
+}
+
+template <typename T, int MT>
+cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  switch (p.warps) {
+    case 1: return launch_narrow<T, MT, 1>(a, p, stream);
+    case 2: return launch_narrow<T, MT, 2>(a, p, stream);
+    case 4: return launch_narrow<T, MT, 4>(a, p, stream);
+    case 8: return launch_narrow<T, MT, 8>(a, p, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>
@@ -252,6 +280,7 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
     case LinearPath::kNarrow:
       return p.mt == 1 ? launch_narrow<T, 1>(a, p, stream) : launch_narrow<T, 2>(a, p, stream);
     case LinearPath::kWide:
+      if (p.mt == 2) return launch_wide<T, 2>(a, p, stream);
       return p.mt == 4 ? launch_wide<T, 4>(a, p, stream) : launch_wide<T, 8>(a, p, stream);
     case LinearPath::kWgmma:
       return linear_wgmma_cuda(a, stream);
@@ -304,14 +333,27 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
   const int64_t sms = cuda::num_sms();
-  if (m <= kNarrowMaxM) {
-    // At least one CTA per SM (2-3 fit on one); no split when the W tiles
-    // alone give that (no reduce kernel); every warp of a split gets a tile.
+  // M 9..16 on the wide kernel (x shared by 8 W tiles through shared memory)
+  // when its unsplit CTAs fill 40% of the SMs: there the narrow kernel's x
+  // loads (16 rows, read again for every W tile) cost more than the W loads.
+  const bool wide_small_m = m > 8 && 10 * cuda::ceil_div(ntiles, 8) >= 4 * sms;
+  if (m <= kNarrowMaxM && !wide_small_m) {
     p.path = LinearPath::kNarrow;
     p.mt = m <= 8 ? 1 : 2;
-    const int64_t splits = std::min(ntiles >= sms ? 1 : cuda::ceil_div(sms, ntiles),
-                                    std::max<int64_t>(1, tiles_k / kWarps));
-    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));  // no empty split
+    // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)
+    // that give every SM 10 to 16 warps in one wave; otherwise 8, with K
+    // split when the W tiles alone do not give each SM a CTA (every warp of
+    // a split gets a tile; no empty split). (docs/PERF.md, Linear v7)
+    p.warps = kWarps;
+    for (int w : {1, 2, 4})
+      if (ntiles * w >= 10 * sms && ntiles * w <= 16 * sms) {
+        p.warps = w;
+        break;
+      }
+    const int64_t splits = p.warps < kWarps || ntiles >= sms
+                               ? 1
+                               : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / kWarps));
+    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
   } else if (m <= kWideMaxM) {
     // Split K to fill the SMs: the splits s (at least 4 k-tiles each)
     // minimizing waves(CTAs * s) * (k-tiles per split + 6), the 6 standing
@@ -319,9 +361,9 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // (docs/PERF.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
     // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
     p.path = LinearPath::kWide;
-    p.mt = m <= 32 ? 4 : 8;
+    p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
-    const int64_t resident = (p.mt == 4 ? kWideCtasPerSm<4> : kWideCtasPerSm<8>) * sms;
+    const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t splits = 1; splits <= std::max<int64_t>(1, tiles_k / 4); ++splits) {
       const int64_t per = cuda::ceil_div(tiles_k, splits);

@@ -52,10 +52,11 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 
 // How the fused GEMM runs a problem, chosen on the host from the shape and
 // the device (nvfp4_gemm.cu describes the kernels):
-//   M <= kNarrowMaxM  narrow kernel: 8 warps per 16-row W tile, split-K when
-//                     the W tiles alone do not fill the SMs
-//   M <= kWideMaxM    wide kernel: 128 W rows x 32 or 64 x rows per CTA, x in
-//                     shared memory, split-K to fill the SMs
+//   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
+//                     when the W tiles alone do not fill the SMs (M 9..16
+//                     with many W tiles: the wide kernel)
+//   M <= kWideMaxM    wide kernel: 128 W rows x 16, 32 or 64 x rows per CTA,
+//                     x in shared memory, split-K to fill the SMs
 //   M <= kWgmmaMaxM   wgmma kernel (nvfp4_gemm_wgmma.cu) when its tiles fill
 //                     3/4 of the SMs: persistent, 128 W rows x 256 x rows
 //                     per tile, x copied once into a K-permuted, swizzled
@@ -73,6 +74,7 @@ enum class LinearPath { kNarrow, kWide, kWgmma, kUnpack };
 struct LinearPlan {
   LinearPath path;
   int mt;                    // narrow / wide: 8-row m-tiles per warp
+  int warps;                 // narrow: warps per CTA, all on one 16-row W tile
   int64_t splits;            // K splits (FP32 partials added in split order when > 1)
   int64_t workspace_bytes;   // device workspace the launch needs
 };

@@ -50,6 +50,13 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// Starts moving bytes (a multiple of 16, 16-byte aligned) from global memory
+// into L2 without waiting. L2 is coherent, so this is safe before
+// griddepcontrol.wait even for data the previous grid writes.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // ---- warpgroup register budget ----------------------------------------------
 
 template <int kRegs> __device__ __forceinline__ void regs_dealloc() {

@@ -303,6 +303,57 @@ def test_cuda_wgmma_edges(dtype):
 
 
 @cuda
+@pytest.mark.parametrize("n", [16 * 1400, 16 * 700, 16 * 350])
+def test_cuda_narrow_warps_per_tile(n):
+    # On a 132-SM H100 these N put 1, 2 and 4 warps on each W tile of the
+    # narrow kernel (M <= 8; gemm::linear_plan), and M 9..16 on the wide
+    # kernel for the first two. K = 1168: 9 full k-tiles and a partial one.
+    k = 1168
+    gen = torch.Generator().manual_seed(n)
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    deq_cuda = deq.cuda()
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
+    for m in (1, 5, 8, 9, 16):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        y = lowbit.nvfp4_linear(x, pw, ps, g, bias)
+        assert rel_err(y, x.float() @ deq_cuda.T + bias.float()) <= REL_TOL, m
+        assert torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, g, bias))  # deterministic
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_cuda_chained_layers_in_a_graph(m):
+    # Each layer's input is the previous layer's output. The narrow kernel is
+    # a programmatic dependent launch that prefetches W before waiting for the
+    # previous grid: a read of x before that wait would show up here, most
+    # likely under graph replay, where launches overlap the most. Every layer
+    # is checked against its own actual input, so errors do not compound.
+    # N = 4096 runs unsplit, N = 2048 with split-K and the reduce kernel.
+    gen = torch.Generator().manual_seed(m)
+    layers = [make_weight(n, k, gen, "cuda") for n, k in [(4096, 2048), (2048, 4096)] * 2]
+    x0 = torch.randn(m, 2048, generator=gen).to(torch.bfloat16).cuda()
+
+    def forward(x):
+        outs = []
+        for *_, pw, ps, g in layers:
+            x = lowbit.nvfp4_linear(x, pw, ps, g)  # W ~ 0.02 randn, K >= 2048: outputs stay O(1)
+            outs.append(x)
+        return outs
+
+    forward(x0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward(x0)
+    for _ in range(3):
+        x0.copy_(torch.randn(m, 2048, generator=gen).to(torch.bfloat16))  # stale intermediates would differ
+        graph.replay()
+        torch.cuda.synchronize()
+        inputs = [x0] + outs[:-1]
+        for (_, _, deq, *_), xin, y in zip(layers, inputs, outs):
+            assert rel_err(y, xin.float() @ deq.cuda().T) <= REL_TOL
+
+
+@cuda
 def test_cuda_prepack_matches_cpu_bitwise():
     gen = torch.Generator().manual_seed(9)
     q = lowbit.nvfp4_quantize(torch.randn(96, 400, generator=gen))
