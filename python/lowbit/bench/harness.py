@@ -44,6 +44,9 @@ def rotation_count(bytes_per_set: int, l2_bytes: int, minimum: int = 2, maximum:
     return max(minimum, min(maximum, math.ceil(3 * l2_bytes / bytes_per_set)))
 
 
+WARM_MS = 30.0  # GPU time spent replaying before the timed replays
+
+
 def time_calls(
     call: Callable[[int], Any], n_sets: int, use_graph: bool = True, replays: int = 30, warmup: int = 3
 ) -> float:
@@ -76,7 +79,20 @@ def time_calls(
             for i in range(n_sets):
                 call(i)
 
+    # Keep the GPU busy for a while first: after the host-side work between
+    # rows (building weights) the clocks have dropped, and a short kernel's
+    # first replays would otherwise time the clock ramp, not the kernel.
     torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    busy_ms = 0.0
+    while busy_ms < WARM_MS:
+        start.record()
+        for _ in range(8):
+            run()
+        end.record()
+        end.synchronize()
+        busy_ms += start.elapsed_time(end)
     times = []
     for _ in range(replays):
         start = torch.cuda.Event(enable_timing=True)
