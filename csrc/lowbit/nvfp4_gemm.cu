@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 // CTAs per SM the wide kernel is compiled for (registers; shared memory
 // holds as many).
 template <int MT> constexpr int kWideCtasPerSm = MT <= 4 ? 3 : 2;
+static_assert(kWideCtasPerSm<2> == kWideCtasPerSm<4>, "linear_plan counts MT = 2 CTAs as MT = 4 ones");
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
@@ -363,7 +364,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.path = LinearPath::kWide;
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
-    const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;
+    const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as MT 4
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t splits = 1; splits <= std::max<int64_t>(1, tiles_k / 4); ++splits) {
       const int64_t per = cuda::ceil_div(tiles_k, splits);

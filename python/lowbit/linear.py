@@ -4,10 +4,11 @@ for :class:`lowbit.nn.Nvfp4Linear` in place.
 
 The weight is prepacked once, at load time, into the layout of
 ``csrc/lowbit/nvfp4_gemm_layout.h`` (the same on CPU and GPU, so a module can
-be moved with ``.to()``). On CUDA, M <= 128 rows run fused decode + tensor
-core kernels (one for M <= 16, one with x staged in shared memory above);
-larger M unpacks the weight to x's dtype and calls cuBLAS. The CPU kernel
-(the reference) unpacks to FP32 and does an FP32 matmul.
+be moved with ``.to()``). On CUDA, fused decode + tensor core kernels run
+M <= 128 rows (mma.sync: one kernel for small M, one with x staged in shared
+memory), and M <= 2048 when the output has enough tiles to fill the GPU
+(wgmma); otherwise the weight is unpacked to x's dtype and cuBLAS runs.
+The CPU kernel (the reference) unpacks to FP32 and does an FP32 matmul.
 """
 
 from __future__ import annotations
