@@ -89,19 +89,20 @@ __device__ __forceinline__ void store4<float>(float* p, const float (&in)[4]) {
 // still running; it must call wait_for_previous_grid() before it reads what
 // that kernel writes (a no-op when launched normally). The previous kernel
 // lets it start early with allow_dependent_launch(). Both work inside CUDA
-// graph capture.
+// graph capture. smem: dynamic shared memory bytes per CTA.
 __device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = 1;

@@ -231,7 +231,7 @@ __global__ void split_reduce_kernel(const float* __restrict__ partials, int64_t 
 
 template <typename T>
 cudaError_t launch_split_reduce(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
-  return cuda::launch_dependent(split_reduce_kernel<T>, dim3(unsigned(cuda::ceil_div(a.m * a.n, 256))), dim3(256),
+  return cuda::launch_dependent(split_reduce_kernel<T>, dim3(unsigned(cuda::ceil_div(a.m * a.n, 256))), dim3(256), 0,
                                 stream, static_cast<const float*>(a.workspace), splits, a.m, a.n, a.global_scale,
                                 static_cast<const T*>(a.bias), static_cast<T*>(a.out));
 }
@@ -257,7 +257,7 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.m, 8 * MT)), static_cast<unsigned>(a.n / kTileN),
                   static_cast<unsigned>(p.splits));
   cudaError_t err = cuda::launch_dependent(
-      linear_narrow_kernel<T, MT, W>, grid, dim3(32 * W), stream, static_cast<const T*>(a.x), a.weight, a.scale,
+      linear_narrow_kernel<T, MT, W>, grid, dim3(32 * W), 0, stream, static_cast<const T*>(a.x), a.weight, a.scale,
       a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m,
       a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
   if (err != cudaSuccess || p.splits == 1) return err;

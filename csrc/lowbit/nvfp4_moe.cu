@@ -4,26 +4,35 @@
 //   1. align (one CTA): counts the (token, slot) pairs per expert, gives each
 //      pair a row in expert-sorted order and cuts each expert's rows into
 //      work items of at most 8 MT rows (expert, first row, rows).
-//   2. up: per (work item, 16-row tile of W13) one CTA of the decode + mma
-//      main loop (nvfp4_mma.cuh) over K = H, with x's rows gathered through
-//      the sorted order; the epilogue applies the global scale and the
-//      clamped SwiGLU (gate and up of one column are rows r and r + 8 of the
+//   2. up: per work item and 16-row tile of W13 the decode + mma main loop
+//      (nvfp4_mma.cuh) over K = H, with x's rows gathered through the
+//      sorted order; the epilogue applies the global scale and the clamped
+//      SwiGLU (gate and up of one column are rows r and r + 8 of the
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
-//      With many rows per expert (plan()) the wide variant takes 128 W rows
-//      per CTA with x staged in shared memory.
+//      The narrow form (few rows per expert) runs 1-8 warps per W tile and
+//      1 or 4 tiles per CTA (narrow_shape); with many rows per expert
+//      (plan()) the wide form takes 128 W rows per CTA with x staged in
+//      shared memory.
 //   3. down: the same over K = I with h's rows, writing each pair's expert
 //      output (x's dtype) in sorted order.
-//   4. combine: one CTA per token adds its k expert outputs times their
-//      weights in FP32, in slot order, and rounds once.
+//   4. combine: per token and 1024 columns, adds the token's k expert
+//      outputs times their weights in FP32, in slot order, and rounds once.
 // Only experts that received tokens have work items, so only their weights
 // are read. A pair's row position depends on the order of shared-memory
 // atomics, but every row is computed independently of its position (the
 // mma's rows do not interact and every sum runs in a fixed order), so the
 // output is bitwise reproducible.
+//
+// Chaining (docs/ARCHITECTURE.md, "Chained kernels"): the kernels but the
+// wide ones are programmatic dependent launches. The up kernel lets the down
+// kernel start only after its own wait for the align kernel, so the down
+// kernel's CTAs can pick W tiles from their items and prefetch them into L2
+// while the up kernel drains, then wait for h.
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
 #include "lowbit/nvfp4_moe.h"
+#include "lowbit/sm90.cuh"
 
 namespace lowbit::nvfp4::moe {
 namespace {
@@ -51,8 +60,10 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
   extern __shared__ int32_t count[];  // [experts]: rows per expert, then each expert's first row
   __shared__ int32_t warp_rows[kAlignThreads / 32], warp_items[kAlignThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  cuda::allow_dependent_launch();  // the up kernel's CTAs get resident and wait for the items
   for (int e = tid; e < experts; e += kAlignThreads) count[e] = 0;
   __syncthreads();
+  cuda::wait_for_previous_grid();  // ids come from the router
   // Rank of each pair within its expert (ids outside [0, E) are dropped).
   for (int64_t i = tid; i < slots; i += kAlignThreads) {
     const int32_t e = ids[i];
@@ -136,6 +147,16 @@ __device__ __forceinline__ const uint4* tile_scales(const uint8_t* s, int64_t ti
   return reinterpret_cast<const uint4*>(s) + tile_row * tiles_k * (kTileScaleBytes / 16);
 }
 
+// Starts loading the first `tiles` k-tiles (codes and scales) of W tile row
+// `tile_row` into L2.
+__device__ __forceinline__ void prefetch_tile(const uint8_t* w, const uint8_t* s, int64_t tile_row, int64_t tiles_k,
+                                              int64_t tiles) {
+  tiles = min(tiles, tiles_k);
+  if (tiles <= 0) return;
+  sm90::prefetch_l2(tile_codes(w, tile_row, tiles_k), uint32_t(tiles * kTileBytes));
+  sm90::prefetch_l2(tile_scales(s, tile_row, tiles_k), uint32_t(tiles * kTileScaleBytes));
+}
+
 // silu(min(gate, L)) * clamp(up, -L, L); comparisons keep NaN, as torch.clamp does.
 __device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_limit, float limit) {
   if (has_limit) {
@@ -145,68 +166,97 @@ __device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_l
   return gate / (1.f + expf(-gate)) * up;
 }
 
-// ---- narrow kernels: W warps share one 16-row W tile (K split between them) --
+// ---- narrow kernels: W warps per 16-row W tile, TP tiles per CTA ----------
+// Warp w of the CTA works on W tile TP blockIdx.x + w / W of its item, on
+// k-tiles w % W, + W, ... The TP tiles' warps read the same x rows at the
+// same k-tiles, so the SM's L1 serves x to all but the first (x rows are
+// read from L2 once per TP W tiles, not once per tile).
 
-template <int W> constexpr int kNarrowMinBlocks = gemm::mma::kWarps / W * 2;
+// CTAs per SM: 16 warps in all (the register budget of the main loop).
+template <int W, int TP> constexpr int kNarrowCtasPerSm = gemm::mma::kWarps * 2 / (W * TP);
 
-// The item's sums over K for W tile `nt` of its expert (ntiles tiles per
-// expert), added over the W warps into `partial`; returns after the barrier.
-template <typename T, int MT, int W, bool kGather>
-__device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W>& partial, const Item& it,
+// The item's sums over K for the CTA's W tiles (ntiles per expert, tile
+// TP blockIdx.x + i into partial[i]); returns after the barrier.
+template <typename T, int MT, int W, int TP, bool kGather>
+__device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (&partial)[TP], const Item& it,
                                                  const T* xbase, const int32_t* sorted_token, int64_t k,
-                                                 const uint8_t* w, const uint8_t* s, int64_t ntiles, int64_t nt) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t tiles_k = padded_k(k) / kTileK;
-  const int64_t tile_row = int64_t(it.expert) * ntiles + nt;
-  const T* xrow[MT];
+                                                 const uint8_t* w, const uint8_t* s, int64_t ntiles) {
+  const int warp = threadIdx.x / 32 % W, sub = threadIdx.x / 32 / W, lane = threadIdx.x % 32;
+  const int64_t nt = int64_t(blockIdx.x) * TP + sub;
+  if (nt < ntiles) {
+    const int64_t tiles_k = padded_k(k) / kTileK;
+    const int64_t tile_row = int64_t(it.expert) * ntiles + nt;
+    const T* xrow[MT];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
-    xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
+    for (int mt = 0; mt < MT; ++mt) {
+      const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
+      xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
+    }
+    float acc[MT][4];
+    gemm::mma::warp_mainloop<T, MT, W>(acc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k),
+                                       xrow, k, 0, tiles_k, warp, lane);
+    partial[sub].store(acc, warp, lane);
   }
-  float acc[MT][4];
-  gemm::mma::warp_mainloop<T, MT, W>(acc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k), xrow,
-                                     k, 0, tiles_k, warp, lane);
-  partial.store(acc, warp, lane);
   __syncthreads();
 }
 
-// Up projection + SwiGLU. grid: (2I / 16, work items upper bound).
-template <typename T, int MT, int W>
-__global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_up_kernel(
+// Up projection + SwiGLU. grid: (2I / (16 TP), work items upper bound).
+template <typename T, int MT, int W, int TP>
+__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
     const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  cuda::wait_for_previous_grid();  // the items
+  // From here the align kernel is complete: the down kernel may start
+  // (once every CTA of this one has) and read the items before its wait.
+  cuda::allow_dependent_launch();
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int64_t nt = blockIdx.x;  // intermediate columns 8 nt .. 8 nt + 7
-  __shared__ gemm::mma::CtaPartials<MT, W> partial;
-  narrow_tile_sums<T, MT, W, true>(partial, it, x, sorted_token, h, w13, s13, 2 * inter / 16, nt);
+  const int64_t ntiles = 2 * inter / 16;
+  __shared__ gemm::mma::CtaPartials<MT, W> partial[TP];
+  narrow_tile_sums<T, MT, W, TP, true>(partial, it, x, sorted_token, h, w13, s13, ntiles);
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
-  for (int e = threadIdx.x; e < 8 * 8 * MT; e += 32 * W) {
-    const int c = e % 8, mc = e / 8;
-    if (mc >= it.rows) continue;
-    const float hv = clamped_swiglu(partial.sum(c, mc) * gs, partial.sum(c + 8, mc) * gs, has_limit, limit);
+  for (int e = threadIdx.x; e < TP * 8 * 8 * MT; e += 32 * W * TP) {
+    const int c = e % 8, mc = e / 8 % (8 * MT), sub = e / (64 * MT);
+    const int64_t nt = int64_t(blockIdx.x) * TP + sub;  // intermediate columns 8 nt .. 8 nt + 7
+    if (mc >= it.rows || nt >= ntiles) continue;
+    const float hv =
+        clamped_swiglu(partial[sub].sum(c, mc) * gs, partial[sub].sum(c + 8, mc) * gs, has_limit, limit);
     act[int64_t(it.row + mc) * inter + nt * 8 + c] = cuda::from_float<T>(hv);
   }
 }
 
-// Down projection. grid: (H / 16, work items upper bound).
-template <typename T, int MT, int W>
-__global__ void __launch_bounds__(32 * W, kNarrowMinBlocks<W>) moe_down_kernel(
+// Down projection. grid: (H / (16 TP), work items upper bound).
+template <typename T, int MT, int W, int TP>
+__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down_kernel(
     const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
     const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
-    T* __restrict__ expert_out, int64_t h, int64_t inter) {
+    T* __restrict__ expert_out, int64_t h, int64_t inter, int experts) {
+  cuda::allow_dependent_launch();
+  const int64_t ntiles = h / 16;
+  // While the up kernel drains, the first k-tiles of this CTA's W tiles go
+  // into L2. The work item chosen from is read before the wait, so it is
+  // only a hint (it is final: the up kernel let this kernel start after its
+  // own wait for the align kernel; a stale copy would only waste the
+  // prefetch, and the expert is clamped to the stack). The item computed
+  // with is read again after the wait.
+  if (threadIdx.x % (32 * W) == 0 && static_cast<int32_t>(blockIdx.y) < *num_items) {
+    const int64_t expert = min(max(items[blockIdx.y].expert, 0), experts - 1);
+    const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
+    if (nt < ntiles)
+      prefetch_tile(w2, s2, expert * ntiles + nt, padded_k(inter) / kTileK, gemm::mma::kStages<MT> * W);
+  }
+  cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
-  const int64_t nt = blockIdx.x;
-  __shared__ gemm::mma::CtaPartials<MT, W> partial;
-  narrow_tile_sums<T, MT, W, false>(partial, it, act, nullptr, inter, w2, s2, h / 16, nt);
+  __shared__ gemm::mma::CtaPartials<MT, W> partial[TP];
+  narrow_tile_sums<T, MT, W, TP, false>(partial, it, act, nullptr, inter, w2, s2, ntiles);
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
-  for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
-    const int r = e % 16, mc = e / 16;
-    if (mc >= it.rows) continue;
-    expert_out[int64_t(it.row + mc) * h + nt * 16 + r] = cuda::from_float<T>(partial.sum(r, mc) * gs);
+  for (int e = threadIdx.x; e < TP * 16 * 8 * MT; e += 32 * W * TP) {
+    const int r = e % 16, mc = e / 16 % (8 * MT), sub = e / (128 * MT);
+    const int64_t nt = int64_t(blockIdx.x) * TP + sub;
+    if (mc >= it.rows || nt >= ntiles) continue;
+    expert_out[int64_t(it.row + mc) * h + nt * 16 + r] = cuda::from_float<T>(partial[sub].sum(r, mc) * gs);
   }
 }
 
@@ -244,6 +294,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
     const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
     const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  cuda::wait_for_previous_grid();  // the items
+  cuda::allow_dependent_launch();
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
   float acc[MT][4];
@@ -267,6 +319,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
     const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
     const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
     T* __restrict__ expert_out, int64_t h, int64_t inter) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_previous_grid();  // h
   if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
   const Item it = items[blockIdx.y];
   float acc[MT][4];
@@ -287,23 +341,38 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
 }
 
 // out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order.
+// grid: (M, H / kCombineCols); 8 columns per thread. The slots' rows are
+// loaded kCombineBatch at a time so their latencies overlap.
+constexpr int kCombineThreads = 128, kCombineCols = 8 * kCombineThreads, kCombineBatch = 8;
 template <typename T>
-__global__ void moe_combine_kernel(const T* __restrict__ expert_out, const int32_t* __restrict__ slot_pos,
-                                   const float* __restrict__ weights, int64_t k, int64_t h, T* __restrict__ out) {
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* __restrict__ expert_out,
+                                                                      const int32_t* __restrict__ slot_pos,
+                                                                      const float* __restrict__ weights, int64_t k,
+                                                                      int64_t h, T* __restrict__ out) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_previous_grid();
   const int64_t t = blockIdx.x;
-  for (int64_t c = int64_t(threadIdx.x) * 8; c < h; c += int64_t(blockDim.x) * 8) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t p = slot_pos[t * k + j];
-      if (p < 0) continue;
-      const float w = weights[t * k + j];
-      float v[8];
-      cuda::load8(expert_out + int64_t(p) * h + c, v);
+  const int64_t c = int64_t(blockIdx.y) * kCombineCols + int64_t(threadIdx.x) * 8;
+  if (c >= h) return;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t j0 = 0; j0 < k; j0 += kCombineBatch) {
+    int32_t pos[kCombineBatch];
+    float w[kCombineBatch], v[kCombineBatch][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += w * v[i];
+    for (int j = 0; j < kCombineBatch; ++j) {
+      pos[j] = j0 + j < k ? slot_pos[t * k + j0 + j] : -1;
+      w[j] = pos[j] >= 0 ? weights[t * k + j0 + j] : 0.f;
     }
-    cuda::store8(out + t * h + c, acc);
+#pragma unroll
+    for (int j = 0; j < kCombineBatch; ++j)
+      if (pos[j] >= 0) cuda::load8(expert_out + int64_t(pos[j]) * h + c, v[j]);
+#pragma unroll
+    for (int j = 0; j < kCombineBatch; ++j)
+      if (pos[j] >= 0)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += w[j] * v[j][i];
   }
+  cuda::store8(out + t * h + c, acc);
 }
 
 // Kernel plan from the mean rows per expert that can get any: few rows ->
@@ -358,52 +427,114 @@ Workspace carve(const MoeArgs& a, char* base) {
   return w;
 }
 
-// Warps sharing a 16-row W tile in the narrow kernels. Fewer warps per tile
-// give each warp a longer run of k-tiles (the pipeline fill and the CTA's
-// reduction are paid per CTA); H100, DSV4-Flash M = 64: 8 warps 1478 us,
-// 4 warps 1218 us, 2 warps 1171 us (docs/PERF.md).
-constexpr int kNarrowWarps = 2;
+// Shape of a narrow kernel of `tiles` (work item, W tile) pairs (an upper
+// bound: work items x W tiles per expert). As in the Linear (docs/PERF.md,
+// Linear v7): the fewest warps per W tile that give every SM 10 to 16 warps
+// in one wave (the longest K run per warp: no pipeline fill per few
+// k-tiles, no cross-warp sum); fewer tiles, 8 warps. More tiles: 2 warps per
+// tile up to 8 waves of one-warp tiles, where the last wave's tail costs
+// less with half-length runs; beyond, one warp per tile and 4 tiles per CTA,
+// which read the same x rows through the SM's L1 (docs/PERF.md, MoE v7).
+struct NarrowShape {
+  int warps, tiles_per_cta;
+};
+NarrowShape narrow_shape(int64_t tiles) {
+  const int64_t sms = cuda::num_sms(), wave = 16 * sms;  // warps resident at once
+  for (int w : {1, 2, 4})
+    if (tiles * w >= 10 * sms && tiles * w <= wave) return {w, 1};
+  if (tiles < wave) return {8, 1};
+  return tiles <= 8 * wave ? NarrowShape{2, 1} : NarrowShape{1, 4};
+}
 
-template <typename T, int MT, bool kWide, int W = kNarrowWarps>
-cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  const int64_t slots = a.m * a.k;
-  moe_align_kernel<<<1, kAlignThreads, a.e * sizeof(int32_t), stream>>>(
-      a.topk_ids, slots, a.k, static_cast<int>(a.e), 8 * MT, ws.slot_pos, ws.sorted_token, ws.items, ws.num_items);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  T* act = static_cast<T*>(ws.act);
-  T* expert_out = static_cast<T*>(ws.expert_out);
-  const T* x = static_cast<const T*>(a.x);
-  if (ws.max_items > 0) {
-    const unsigned items = static_cast<unsigned>(ws.max_items);
-    const int64_t up_tiles = 2 * a.inter / 16, down_tiles = a.h / 16;
-    if constexpr (kWide) {
-      constexpr int smem = sizeof(gemm::mma::WideSmem<T, MT>);
-      if ((err = cudaFuncSetAttribute(moe_up_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      smem)) != cudaSuccess ||
-          (err = cudaFuncSetAttribute(moe_down_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      smem)) != cudaSuccess)
-        return err;
-      moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(up_tiles, 8)), items), kThreads, smem, stream>>>(
-          x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
-          a.has_limit, a.swiglu_limit);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(down_tiles, 8)), items), kThreads, smem, stream>>>(
-          act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
-    } else {
-      moe_up_kernel<T, MT, W><<<dim3(unsigned(up_tiles), items), 32 * W, 0, stream>>>(
-          x, ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global, act, a.h, a.inter,
-          a.has_limit, a.swiglu_limit);
-      if ((err = cudaGetLastError()) != cudaSuccess) return err;
-      moe_down_kernel<T, MT, W><<<dim3(unsigned(down_tiles), items), 32 * W, 0, stream>>>(
-          act, ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global, expert_out, a.h, a.inter);
-    }
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+template <typename T, int MT, int W, int TP>
+cudaError_t launch_up_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
+  return cuda::launch_dependent(moe_up_kernel<T, MT, W, TP>, grid, dim3(32 * W * TP), 0, stream,
+                                static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13,
+                                a.w13_scale, a.w13_global, static_cast<T*>(ws.act), a.h, a.inter, a.has_limit,
+                                a.swiglu_limit);
+}
+template <typename T, int MT, int W, int TP>
+cudaError_t launch_down_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
+  return cuda::launch_dependent(moe_down_kernel<T, MT, W, TP>, grid, dim3(32 * W * TP), 0, stream,
+                                static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global,
+                                static_cast<T*>(ws.expert_out), a.h, a.inter, static_cast<int>(a.e));
+}
+
+// Dispatches Launch<W, TP>::run over the narrow kernel shapes narrow_shape picks.
+template <template <int, int> class Launch>
+cudaError_t launch_shape(const NarrowShape& shape, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  if (shape.tiles_per_cta == 4) return Launch<1, 4>::run(a, ws, stream);
+  switch (shape.warps) {
+    case 1: return Launch<1, 1>::run(a, ws, stream);
+    case 2: return Launch<2, 1>::run(a, ws, stream);
+    case 4: return Launch<4, 1>::run(a, ws, stream);
+    default: return Launch<8, 1>::run(a, ws, stream);
   }
-  const int threads = static_cast<int>(std::min<int64_t>(256, (a.h / 8 + 31) / 32 * 32));
-  moe_combine_kernel<T><<<unsigned(a.m), threads, 0, stream>>>(expert_out, ws.slot_pos, a.topk_weights, a.k, a.h,
-                                                               static_cast<T*>(a.out));
+}
+template <typename T, int MT> struct UpNarrow {
+  template <int W, int TP> struct At {
+    static cudaError_t run(const MoeArgs& a, const Workspace& ws, cudaStream_t s) {
+      return launch_up_narrow<T, MT, W, TP>(a, ws, s);
+    }
+  };
+};
+template <typename T, int MT> struct DownNarrow {
+  template <int W, int TP> struct At {
+    static cudaError_t run(const MoeArgs& a, const Workspace& ws, cudaStream_t s) {
+      return launch_down_narrow<T, MT, W, TP>(a, ws, s);
+    }
+  };
+};
+
+// The wide kernels are launched plainly: as dependent launches they measured
+// 2-4% slower at M = 4096 on DSV4-Flash and DSV3 (docs/PERF.md, MoE v7).
+template <typename T, int MT>
+cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  constexpr int smem = sizeof(gemm::mma::WideSmem<T, MT>);
+  cudaError_t err;
+  if ((err = cudaFuncSetAttribute(moe_up_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) !=
+          cudaSuccess ||
+      (err = cudaFuncSetAttribute(moe_down_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) !=
+          cudaSuccess)
+    return err;
+  const unsigned items = static_cast<unsigned>(ws.max_items);
+  moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(2 * a.inter / 16, 8)), items), kThreads, smem, stream>>>(
+      static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global,
+      static_cast<T*>(ws.act), a.h, a.inter, a.has_limit, a.swiglu_limit);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(a.h / 16, 8)), items), kThreads, smem, stream>>>(
+      static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global,
+      static_cast<T*>(ws.expert_out), a.h, a.inter);
   return cudaGetLastError();
+}
+
+// align, up, down, combine. Launched as programmatic dependent launches
+// (but for the wide kernels), so each kernel's CTAs get resident while the
+// previous one finishes; every kernel waits for its inputs with
+// griddepcontrol.wait.
+template <typename T, int MT, bool kWide>
+cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  cudaError_t err = cuda::launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), a.e * sizeof(int32_t),
+                                           stream, a.topk_ids, a.m * a.k, a.k, static_cast<int>(a.e), 8 * MT,
+                                           ws.slot_pos, ws.sorted_token, ws.items, ws.num_items);
+  if (err != cudaSuccess) return err;
+  if (ws.max_items > 0) {
+    if constexpr (kWide) {
+      err = launch_wide<T, MT>(a, ws, stream);
+    } else {
+      err = launch_shape<UpNarrow<T, MT>::template At>(narrow_shape(ws.max_items * (2 * a.inter / 16)), a, ws,
+                                                       stream);
+      if (err == cudaSuccess)
+        err = launch_shape<DownNarrow<T, MT>::template At>(narrow_shape(ws.max_items * (a.h / 16)), a, ws, stream);
+    }
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(unsigned(a.m), unsigned(cuda::ceil_div(a.h, kCombineCols)));
+  return cuda::launch_dependent(moe_combine_kernel<T>, grid, dim3(kCombineThreads), 0, stream,
+                                static_cast<const T*>(ws.expert_out), ws.slot_pos, a.topk_weights, a.k, a.h,
+                                static_cast<T*>(a.out));
 }
 
 template <typename T>

@@ -482,7 +482,7 @@ cudaError_t route_typed(const RouteArgs& a, cudaStream_t stream) {
   // A launch right after dense_router's gate overlaps its tail.
   const auto launch = [&](auto kernel, unsigned blocks) {
     if (a.after_gate)
-      return cuda::launch_dependent(kernel, blocks, threads, stream, logits, a.logit_splits, a.bias, a.tokens, p,
+      return cuda::launch_dependent(kernel, blocks, threads, 0, stream, logits, a.logit_splits, a.bias, a.tokens, p,
                                     a.weights, a.ids);
     kernel<<<blocks, threads, 0, stream>>>(logits, a.logit_splits, a.bias, a.tokens, p, a.weights, a.ids);
     return cudaGetLastError();

@@ -425,6 +425,26 @@ def test_cuda_matches_reference_every_m(H, I, E, k, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("M", [30, 50])
+def test_cuda_narrow_one_warp_four_tiles_per_cta(M):
+    # The narrow kernels' form for many (work item, W tile) pairs: one warp
+    # per W tile, 4 tiles per CTA (narrow_shape in nvfp4_moe.cu). On a
+    # 132-SM H100 the down GEMM takes it here (H = 8208: 513 W tiles, so the
+    # last CTA of each item has one tile and three idle warps), at M = 30
+    # with 8-row work items and at M = 50 with 16-row ones; the up GEMM
+    # (2I / 16 = 16 tiles) takes 2 warps per tile. CUDA_SHAPES cover the
+    # other forms (1, 2, 4 and 8 warps per tile).
+    H, I, E, k = 8208, 128, 32, 6
+    gen = torch.Generator().manual_seed(seed_of("narrow 1x4", M))
+    exp = Experts(E, H, I, gen, "cuda")
+    x = random_x(M, H, torch.bfloat16, gen, "cuda")
+    w, ids = random_routing(M, E, k, gen, "cuda")
+    y = exp.run(x, w, ids)
+    assert rel_err(y, exp.reference(x, w, ids)) <= LOW_TOL
+    assert torch.equal(exp.run(x, w, ids), y)
+
+
+@cuda
 def test_cuda_swiglu_limit_active_and_cpu_agreement():
     gen = torch.Generator().manual_seed(20)
     exp = Experts(16, 1024, 512, gen)
