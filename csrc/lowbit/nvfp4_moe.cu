@@ -23,8 +23,8 @@
 // mma's rows do not interact and every sum runs in a fixed order), so the
 // output is bitwise reproducible.
 //
-// Chaining (docs/ARCHITECTURE.md, "Chained kernels"): the kernels but the
-// wide ones are programmatic dependent launches. The up kernel lets the down
+// Chaining (docs/ARCHITECTURE.md, "Chained kernels"): every kernel but the
+// wide ones is a programmatic dependent launch. The up kernel lets the down
 // kernel start only after its own wait for the align kernel, so the down
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
