@@ -330,6 +330,13 @@ cudaError_t unpack_cuda(const UnpackArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+int one_wave_warps_per_tile(int64_t tiles) {
+  const int64_t sms = cuda::num_sms();
+  for (int w : {1, 2, 4})
+    if (tiles * w >= 10 * sms && tiles * w <= 16 * sms) return w;
+  return 0;
+}
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -345,12 +352,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // that give every SM 10 to 16 warps in one wave; otherwise 8, with K
     // split when the W tiles alone do not give each SM a CTA (every warp of
     // a split gets a tile; no empty split). (docs/PERF.md, Linear v7)
-    p.warps = kWarps;
-    for (int w : {1, 2, 4})
-      if (ntiles * w >= 10 * sms && ntiles * w <= 16 * sms) {
-        p.warps = w;
-        break;
-      }
+    const int one_wave = one_wave_warps_per_tile(ntiles);
+    p.warps = one_wave > 0 ? one_wave : kWarps;
     const int64_t splits = p.warps < kWarps || ntiles >= sms
                                ? 1
                                : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / kWarps));

@@ -79,6 +79,10 @@ struct LinearPlan {
   int64_t workspace_bytes;   // device workspace the launch needs
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
+// Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of
+// one tile): the fewest of 1, 2, 4 that give every SM 10 to 16 warps in one
+// wave, or 0 if none does (docs/PERF.md, Linear v7). The MoE uses it too.
+int one_wave_warps_per_tile(int64_t tiles);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): its output tiles, workspace and

@@ -29,6 +29,7 @@
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
 #include "lowbit/cuda_utils.cuh"
+#include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
 #include "lowbit/nvfp4_moe.h"
@@ -439,54 +440,40 @@ struct NarrowShape {
   int warps, tiles_per_cta;
 };
 NarrowShape narrow_shape(int64_t tiles) {
-  const int64_t sms = cuda::num_sms(), wave = 16 * sms;  // warps resident at once
-  for (int w : {1, 2, 4})
-    if (tiles * w >= 10 * sms && tiles * w <= wave) return {w, 1};
+  if (const int w = gemm::one_wave_warps_per_tile(tiles)) return {w, 1};
+  const int64_t wave = 16 * cuda::num_sms();  // one-warp CTAs resident at once
   if (tiles < wave) return {8, 1};
   return tiles <= 8 * wave ? NarrowShape{2, 1} : NarrowShape{1, 4};
 }
 
-template <typename T, int MT, int W, int TP>
-cudaError_t launch_up_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
-  return cuda::launch_dependent(moe_up_kernel<T, MT, W, TP>, grid, dim3(32 * W * TP), 0, stream,
-                                static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13,
-                                a.w13_scale, a.w13_global, static_cast<T*>(ws.act), a.h, a.inter, a.has_limit,
-                                a.swiglu_limit);
-}
-template <typename T, int MT, int W, int TP>
-cudaError_t launch_down_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
-  return cuda::launch_dependent(moe_down_kernel<T, MT, W, TP>, grid, dim3(32 * W * TP), 0, stream,
-                                static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global,
-                                static_cast<T*>(ws.expert_out), a.h, a.inter, static_cast<int>(a.e));
-}
-
-// Dispatches Launch<W, TP>::run over the narrow kernel shapes narrow_shape picks.
-template <template <int, int> class Launch>
-cudaError_t launch_shape(const NarrowShape& shape, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  if (shape.tiles_per_cta == 4) return Launch<1, 4>::run(a, ws, stream);
-  switch (shape.warps) {
-    case 1: return Launch<1, 1>::run(a, ws, stream);
-    case 2: return Launch<2, 1>::run(a, ws, stream);
-    case 4: return Launch<4, 1>::run(a, ws, stream);
-    default: return Launch<8, 1>::run(a, ws, stream);
+// One narrow GEMM launch (kUp: W13 + SwiGLU, else W2) of shape <W, TP>.
+template <bool kUp, typename T, int MT, int W, int TP>
+cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  const dim3 block(32 * W * TP);
+  if constexpr (kUp) {
+    const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
+    return cuda::launch_dependent(moe_up_kernel<T, MT, W, TP>, grid, block, 0, stream, static_cast<const T*>(a.x),
+                                  ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global,
+                                  static_cast<T*>(ws.act), a.h, a.inter, a.has_limit, a.swiglu_limit);
+  } else {
+    const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
+    return cuda::launch_dependent(moe_down_kernel<T, MT, W, TP>, grid, block, 0, stream,
+                                  static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale,
+                                  a.w2_global, static_cast<T*>(ws.expert_out), a.h, a.inter, static_cast<int>(a.e));
   }
 }
-template <typename T, int MT> struct UpNarrow {
-  template <int W, int TP> struct At {
-    static cudaError_t run(const MoeArgs& a, const Workspace& ws, cudaStream_t s) {
-      return launch_up_narrow<T, MT, W, TP>(a, ws, s);
-    }
-  };
-};
-template <typename T, int MT> struct DownNarrow {
-  template <int W, int TP> struct At {
-    static cudaError_t run(const MoeArgs& a, const Workspace& ws, cudaStream_t s) {
-      return launch_down_narrow<T, MT, W, TP>(a, ws, s);
-    }
-  };
-};
+// The same with the shape narrow_shape picks for `tiles` (item, W tile) pairs.
+template <bool kUp, typename T, int MT>
+cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  const NarrowShape shape = narrow_shape(tiles);
+  if (shape.tiles_per_cta == 4) return launch_narrow<kUp, T, MT, 1, 4>(a, ws, stream);
+  switch (shape.warps) {
+    case 1: return launch_narrow<kUp, T, MT, 1, 1>(a, ws, stream);
+    case 2: return launch_narrow<kUp, T, MT, 2, 1>(a, ws, stream);
+    case 4: return launch_narrow<kUp, T, MT, 4, 1>(a, ws, stream);
+    default: return launch_narrow<kUp, T, MT, 8, 1>(a, ws, stream);
+  }
+}
 
 // The wide kernels are launched plainly: as dependent launches they measured
 // 2-4% slower at M = 4096 on DSV4-Flash and DSV3 (docs/PERF.md, MoE v7).
@@ -524,10 +511,8 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
     if constexpr (kWide) {
       err = launch_wide<T, MT>(a, ws, stream);
     } else {
-      err = launch_shape<UpNarrow<T, MT>::template At>(narrow_shape(ws.max_items * (2 * a.inter / 16)), a, ws,
-                                                       stream);
-      if (err == cudaSuccess)
-        err = launch_shape<DownNarrow<T, MT>::template At>(narrow_shape(ws.max_items * (a.h / 16)), a, ws, stream);
+      err = launch_narrow<true, T, MT>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
+      if (err == cudaSuccess) err = launch_narrow<false, T, MT>(ws.max_items * (a.h / 16), a, ws, stream);
     }
     if (err != cudaSuccess) return err;
   }
