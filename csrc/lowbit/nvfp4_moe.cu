@@ -3,14 +3,16 @@
 // graph captures them):
 //   1. align (one CTA): counts the (token, slot) pairs per expert, gives each
 //      pair a row in expert-sorted order and cuts each expert's rows into
-//      work items of at most 8 MT rows (expert, first row, rows).
+//      work items (expert, first row, rows) of at most 16 rows (narrow
+//      kernels) or 8 MT (wide).
 //   2. up: per work item and 16-row tile of W13 the decode + mma main loop
 //      (nvfp4_mma.cuh) over K = H, with x's rows gathered through the
 //      sorted order; the epilogue applies the global scale and the clamped
 //      SwiGLU (gate and up of one column are rows r and r + 8 of the
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
 //      The narrow form (few rows per expert) runs 1-8 warps per W tile and
-//      1 or 4 tiles per CTA (narrow_shape); with many rows per expert
+//      1 or 4 tiles per CTA (narrow_shape), one or two 8-row m-tiles as
+//      the item needs; with many rows per expert
 //      (plan()) the wide form takes 128 W rows per CTA with x staged in
 //      shared memory.
 //   3. down: the same over K = I with h's rows, writing each pair's expert
@@ -47,7 +49,8 @@ using gemm::mma::kThreads;
 
 constexpr int kAlignThreads = 1024;
 
-// Work item: expert, first sorted row, number of rows (<= 8 MT).
+// Work item: expert, first sorted row, number of rows (<= kNarrowItemRows
+// in the narrow kernels, <= 8 MT in the wide ones).
 struct Item {
   int32_t expert, row, rows, pad;
 };
@@ -131,12 +134,37 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
 
 // ---- pieces shared by the four GEMM kernels -------------------------------
 
-// Row r of an item: gathered through sorted_token (kGather, up: rows of x),
-// or the item's own row in sorted order (down: rows of h).
+// Where a GEMM kernel finds its work item blockIdx.y: the align kernel's
+// list, or, for a single token (direct: no align kernel, no grouping to
+// do), the token's slots themselves: slot y is the item (ids[y], row y, 1
+// row), skipped when its id is outside [0, E). Rows are then in slot order.
+struct WorkList {
+  const Item* items;          // null: direct
+  const int32_t* num_items;
+  const int32_t* ids;         // direct: [slots]
+  int32_t slots, experts;
+
+  __device__ __forceinline__ bool fetch(Item& it) const {
+    const int y = static_cast<int>(blockIdx.y);
+    if (items) {
+      if (y >= *num_items) return false;
+      it = items[y];
+      return true;
+    }
+    if (y >= slots) return false;
+    const int32_t e = ids[y];
+    it = Item{e, y, 1, 0};
+    return e >= 0 && e < experts;
+  }
+};
+
+// Row r of an item: gathered through sorted_token (kGather, up: rows of x;
+// null sorted_token: the direct list's one token), or the item's own row in
+// sorted order (down: rows of h).
 template <bool kGather, typename T>
 __device__ __forceinline__ const T* item_row(const T* base, const int32_t* sorted_token, const Item& it, int r,
                                              int64_t row_elems) {
-  const int64_t row = kGather ? sorted_token[it.row + r] : it.row + r;
+  const int64_t row = !kGather ? it.row + r : sorted_token ? sorted_token[it.row + r] : 0;
   return base + row * row_elems;
 }
 
@@ -172,9 +200,27 @@ __device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_l
 // k-tiles w % W, + W, ... The TP tiles' warps read the same x rows at the
 // same k-tiles, so the SM's L1 serves x to all but the first (x rows are
 // read from L2 once per TP W tiles, not once per tile).
+//
+// Items hold up to 16 rows: an expert with more than 8 rows decodes its
+// weights once per 16 rows (MT = 2 m-tiles, two register stages), not once
+// per 8, while the many 1-8-row items keep the 3-stage one-m-tile loop.
+// Each CTA branches on its item's row count (uniform across the CTA).
+constexpr int kNarrowItemRows = 16;
 
 // CTAs per SM: 16 warps in all (the register budget of the main loop).
 template <int W, int TP> constexpr int kNarrowCtasPerSm = gemm::mma::kWarps * 2 / (W * TP);
+
+// Shared memory of the warps' partial sums, sized for the 2-m-tile form and
+// viewed as the item's form.
+template <int W, int TP>
+struct NarrowSmem {
+  gemm::mma::CtaPartials<2, W> storage[TP];
+  template <int MT>
+  __device__ __forceinline__ gemm::mma::CtaPartials<MT, W> (&as())[TP] {
+    static_assert(sizeof(gemm::mma::CtaPartials<MT, W>) <= sizeof(gemm::mma::CtaPartials<2, W>));
+    return *reinterpret_cast<gemm::mma::CtaPartials<MT, W>(*)[TP]>(storage);
+  }
+};
 
 // The item's sums over K for the CTA's W tiles (ntiles per expert, tile
 // TP blockIdx.x + i into partial[i]); returns after the barrier.
@@ -201,20 +247,14 @@ __device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (
   __syncthreads();
 }
 
-// Up projection + SwiGLU. grid: (2I / (16 TP), work items upper bound).
+// Up projection + SwiGLU of one item of at most 8 MT rows.
 template <typename T, int MT, int W, int TP>
-__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
-    const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
-    const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
-  cuda::wait_for_previous_grid();  // the items
-  // From here the align kernel is complete: the down kernel may start
-  // (once every CTA of this one has) and read the items before its wait.
-  cuda::allow_dependent_launch();
-  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
-  const Item it = items[blockIdx.y];
+__device__ __forceinline__ void up_item(NarrowSmem<W, TP>& smem, const Item& it, const T* __restrict__ x,
+                                        const int32_t* __restrict__ sorted_token, const uint8_t* __restrict__ w13,
+                                        const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+                                        T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   const int64_t ntiles = 2 * inter / 16;
-  __shared__ gemm::mma::CtaPartials<MT, W> partial[TP];
+  auto& partial = smem.template as<MT>();
   narrow_tile_sums<T, MT, W, TP, true>(partial, it, x, sorted_token, h, w13, s13, ntiles);
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < TP * 8 * 8 * MT; e += 32 * W * TP) {
@@ -227,30 +267,33 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_k
   }
 }
 
-// Down projection. grid: (H / (16 TP), work items upper bound).
-template <typename T, int MT, int W, int TP>
-__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down_kernel(
-    const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
-    const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
-    T* __restrict__ expert_out, int64_t h, int64_t inter, int experts) {
+// grid: (2I / (16 TP), work items upper bound).
+template <typename T, int W, int TP>
+__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
+    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  cuda::wait_for_previous_grid();  // the items (direct: the ids)
+  // From here the items are final: the down kernel may start (once every
+  // CTA of this one has) and read them before its wait.
   cuda::allow_dependent_launch();
+  Item it;
+  if (!work.fetch(it)) return;
+  __shared__ NarrowSmem<W, TP> smem;
+  if (it.rows > 8)
+    up_item<T, 2>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+  else
+    up_item<T, 1>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+}
+
+// Down projection of one item of at most 8 MT rows.
+template <typename T, int MT, int W, int TP>
+__device__ __forceinline__ void down_item(NarrowSmem<W, TP>& smem, const Item& it, const T* __restrict__ act,
+                                          const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
+                                          const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h,
+                                          int64_t inter) {
   const int64_t ntiles = h / 16;
-  // While the up kernel drains, the first k-tiles of this CTA's W tiles go
-  // into L2. The work item chosen from is read before the wait, so it is
-  // only a hint (it is final: the up kernel let this kernel start after its
-  // own wait for the align kernel; a stale copy would only waste the
-  // prefetch, and the expert is clamped to the stack). The item computed
-  // with is read again after the wait.
-  if (threadIdx.x % (32 * W) == 0 && static_cast<int32_t>(blockIdx.y) < *num_items) {
-    const int64_t expert = min(max(items[blockIdx.y].expert, 0), experts - 1);
-    const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
-    if (nt < ntiles)
-      prefetch_tile(w2, s2, expert * ntiles + nt, padded_k(inter) / kTileK, gemm::mma::kStages<MT> * W);
-  }
-  cuda::wait_for_previous_grid();  // h (and, again, the items)
-  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
-  const Item it = items[blockIdx.y];
-  __shared__ gemm::mma::CtaPartials<MT, W> partial[TP];
+  auto& partial = smem.template as<MT>();
   narrow_tile_sums<T, MT, W, TP, false>(partial, it, act, nullptr, inter, w2, s2, ntiles);
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < TP * 16 * 8 * MT; e += 32 * W * TP) {
@@ -259,6 +302,35 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down
     if (mc >= it.rows || nt >= ntiles) continue;
     expert_out[int64_t(it.row + mc) * h + nt * 16 + r] = cuda::from_float<T>(partial[sub].sum(r, mc) * gs);
   }
+}
+
+// grid: (H / (16 TP), work items upper bound).
+template <typename T, int W, int TP>
+__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down_kernel(
+    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
+    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
+  cuda::allow_dependent_launch();
+  const int64_t ntiles = h / 16;
+  // While the up kernel drains, the first k-tiles of this CTA's W tiles go
+  // into L2. The work item chosen from is read before the wait, so it is
+  // only a hint (it is final: the up kernel let this kernel start after its
+  // own wait for the align kernel; a stale copy would only waste the
+  // prefetch, and the expert is clamped to the stack). The item computed
+  // with is read again after the wait.
+  Item it;
+  if (threadIdx.x % (32 * W) == 0 && work.fetch(it)) {
+    const int64_t expert = min(max(it.expert, 0), work.experts - 1);
+    const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
+    const int stages = it.rows > 8 ? gemm::mma::kStages<2> : gemm::mma::kStages<1>;
+    if (nt < ntiles) prefetch_tile(w2, s2, expert * ntiles + nt, padded_k(inter) / kTileK, stages * W);
+  }
+  cuda::wait_for_previous_grid();  // h (and, again, the items)
+  if (!work.fetch(it)) return;
+  __shared__ NarrowSmem<W, TP> smem;
+  if (it.rows > 8)
+    down_item<T, 2>(smem, it, act, w2, s2, g2, expert_out, h, inter);
+  else
+    down_item<T, 1>(smem, it, act, w2, s2, g2, expert_out, h, inter);
 }
 
 // ---- wide kernels (nvfp4_mma.cuh, wide_mainloop) ----------------------------
@@ -292,13 +364,13 @@ __device__ __forceinline__ bool wide_tile_sums(float (&acc)[MT][4], int64_t& nt,
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const Item* __restrict__ items,
-    const int32_t* __restrict__ num_items, const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
-    const float* __restrict__ g13, T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
+    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   cuda::wait_for_previous_grid();  // the items
   cuda::allow_dependent_launch();
-  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
-  const Item it = items[blockIdx.y];
+  Item it;
+  if (!work.fetch(it)) return;
   float acc[MT][4];
   int64_t nt;
   if (!wide_tile_sums<T, MT, true>(acc, nt, it, x, sorted_token, h, w13, s13, 2 * inter / 16)) return;
@@ -317,13 +389,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
-    const T* __restrict__ act, const Item* __restrict__ items, const int32_t* __restrict__ num_items,
-    const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2, const float* __restrict__ g2,
-    T* __restrict__ expert_out, int64_t h, int64_t inter) {
+    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
+    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
   cuda::allow_dependent_launch();
   cuda::wait_for_previous_grid();  // h
-  if (static_cast<int32_t>(blockIdx.y) >= *num_items) return;
-  const Item it = items[blockIdx.y];
+  Item it;
+  if (!work.fetch(it)) return;
   float acc[MT][4];
   int64_t nt;
   if (!wide_tile_sums<T, MT, false>(acc, nt, it, act, nullptr, inter, w2, s2, h / 16)) return;
@@ -341,13 +412,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
     }
 }
 
-// out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order.
+// out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order
+// (direct list: slot_pos is null and slot j's row is j when its id is valid).
 // grid: (M, H / kCombineCols); 8 columns per thread. The slots' rows are
 // loaded kCombineBatch at a time so their latencies overlap.
 constexpr int kCombineThreads = 128, kCombineCols = 8 * kCombineThreads, kCombineBatch = 8;
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* __restrict__ expert_out,
                                                                       const int32_t* __restrict__ slot_pos,
+                                                                      const int32_t* __restrict__ ids, int experts,
                                                                       const float* __restrict__ weights, int64_t k,
                                                                       int64_t h, T* __restrict__ out) {
   cuda::allow_dependent_launch();
@@ -361,7 +434,13 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
     float w[kCombineBatch], v[kCombineBatch][8];
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j) {
-      pos[j] = j0 + j < k ? slot_pos[t * k + j0 + j] : -1;
+      const int64_t slot = t * k + j0 + j;
+      if (j0 + j >= k)
+        pos[j] = -1;
+      else if (slot_pos)
+        pos[j] = slot_pos[slot];
+      else
+        pos[j] = ids[slot] >= 0 && ids[slot] < experts ? static_cast<int32_t>(slot) : -1;
       w[j] = pos[j] >= 0 ? weights[t * k + j0 + j] : 0.f;
     }
 #pragma unroll
@@ -378,29 +457,34 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
 
 // Kernel plan from the mean rows per expert that can get any: few rows ->
 // the narrow kernels (warps split K, one 16-row W tile per CTA, x from
-// global memory); many -> the wide kernels (x staged in shared memory and
-// shared by 128 W rows). Work items hold at most 8 MT rows.
+// global memory, items of up to kNarrowItemRows); many -> the wide kernels
+// (x staged in shared memory and shared by 128 W rows, items of 8 MT rows).
+// One token needs no grouping: its slots are the work items (direct), and
+// the align kernel is left out of the chain.
 struct Plan {
   bool wide;
-  int mt;
+  int mt;       // wide: 8-row m-tiles per item
+  bool direct;  // one token: WorkList's direct form, no align kernel
+  int item_rows() const { return wide ? 8 * mt : kNarrowItemRows; }
 };
 Plan plan(const MoeArgs& a) {
   const int64_t slots = a.m * a.k;
   const int64_t active = std::min<int64_t>(a.e, slots);
   const int64_t mean = active > 0 ? slots / active : 0;
-  if (mean <= 8) return {false, 1};
-  if (mean <= 16) return {false, 2};
-  if (mean <= 40) return {true, 4};
-  return {true, 8};
+  if (mean <= 16) return {false, 0, a.m == 1};
+  if (mean <= 40) return {true, 4, false};
+  return {true, 8, false};
 }
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// The align kernel's outputs (none for a direct list) and the GEMMs' rows.
 struct Workspace {
-  int32_t* slot_pos;      // [M k]
-  int32_t* sorted_token;  // [M k]
-  Item* items;            // [max_items]
-  int32_t* num_items;     // [1]
+  int32_t* slot_pos;      // [M k] (null: direct)
+  int32_t* sorted_token;  // [M k] (null: direct)
+  Item* items;            // [max_items] (null: direct)
+  int32_t* num_items;     // [1] (null: direct)
+  WorkList work;          // what the GEMM kernels read: items, or the ids
   void* act;              // [M k, I]
   void* expert_out;       // [M k, H]
   int64_t max_items;
@@ -409,19 +493,22 @@ struct Workspace {
 
 Workspace carve(const MoeArgs& a, char* base) {
   const int64_t slots = a.m * a.k;
-  const int64_t chunk = 8 * plan(a).mt;
+  const Plan p = plan(a);
   Workspace w{};
-  w.max_items = std::min<int64_t>(a.e, slots) + slots / chunk;
+  w.max_items = p.direct ? slots : std::min<int64_t>(a.e, slots) + slots / p.item_rows();
   int64_t off = 0;
   auto take = [&](int64_t bytes) {
-    char* p = base ? base + off : nullptr;
+    char* ptr = base ? base + off : nullptr;
     off += align_up(bytes);
-    return p;
+    return ptr;
   };
-  w.slot_pos = reinterpret_cast<int32_t*>(take(slots * 4));
-  w.sorted_token = reinterpret_cast<int32_t*>(take(slots * 4));
-  w.items = reinterpret_cast<Item*>(take(w.max_items * int64_t(sizeof(Item))));
-  w.num_items = reinterpret_cast<int32_t*>(take(4));
+  if (!p.direct) {
+    w.slot_pos = reinterpret_cast<int32_t*>(take(slots * 4));
+    w.sorted_token = reinterpret_cast<int32_t*>(take(slots * 4));
+    w.items = reinterpret_cast<Item*>(take(w.max_items * int64_t(sizeof(Item))));
+    w.num_items = reinterpret_cast<int32_t*>(take(4));
+  }
+  w.work = WorkList{w.items, w.num_items, a.topk_ids, static_cast<int32_t>(slots), static_cast<int32_t>(a.e)};
   w.act = take(slots * a.inter * 2);
   w.expert_out = take(slots * a.h * 2);
   w.bytes = off;
@@ -447,31 +534,31 @@ NarrowShape narrow_shape(int64_t tiles) {
 }
 
 // One narrow GEMM launch (kUp: W13 + SwiGLU, else W2) of shape <W, TP>.
-template <bool kUp, typename T, int MT, int W, int TP>
+template <bool kUp, typename T, int W, int TP>
 cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   const dim3 block(32 * W * TP);
   if constexpr (kUp) {
     const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
-    return cuda::launch_dependent(moe_up_kernel<T, MT, W, TP>, grid, block, 0, stream, static_cast<const T*>(a.x),
-                                  ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global,
+    return cuda::launch_dependent(moe_up_kernel<T, W, TP>, grid, block, 0, stream, static_cast<const T*>(a.x),
+                                  ws.sorted_token, ws.work, a.w13, a.w13_scale, a.w13_global,
                                   static_cast<T*>(ws.act), a.h, a.inter, a.has_limit, a.swiglu_limit);
   } else {
     const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
-    return cuda::launch_dependent(moe_down_kernel<T, MT, W, TP>, grid, block, 0, stream,
-                                  static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale,
-                                  a.w2_global, static_cast<T*>(ws.expert_out), a.h, a.inter, static_cast<int>(a.e));
+    return cuda::launch_dependent(moe_down_kernel<T, W, TP>, grid, block, 0, stream,
+                                  static_cast<const T*>(ws.act), ws.work, a.w2, a.w2_scale, a.w2_global,
+                                  static_cast<T*>(ws.expert_out), a.h, a.inter);
   }
 }
 // The same with the shape narrow_shape picks for `tiles` (item, W tile) pairs.
-template <bool kUp, typename T, int MT>
+template <bool kUp, typename T>
 cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   const NarrowShape shape = narrow_shape(tiles);
-  if (shape.tiles_per_cta == 4) return launch_narrow<kUp, T, MT, 1, 4>(a, ws, stream);
+  if (shape.tiles_per_cta == 4) return launch_narrow<kUp, T, 1, 4>(a, ws, stream);
   switch (shape.warps) {
-    case 1: return launch_narrow<kUp, T, MT, 1, 1>(a, ws, stream);
-    case 2: return launch_narrow<kUp, T, MT, 2, 1>(a, ws, stream);
-    case 4: return launch_narrow<kUp, T, MT, 4, 1>(a, ws, stream);
-    default: return launch_narrow<kUp, T, MT, 8, 1>(a, ws, stream);
+    case 1: return launch_narrow<kUp, T, 1, 1>(a, ws, stream);
+    case 2: return launch_narrow<kUp, T, 2, 1>(a, ws, stream);
+    case 4: return launch_narrow<kUp, T, 4, 1>(a, ws, stream);
+    default: return launch_narrow<kUp, T, 8, 1>(a, ws, stream);
   }
 }
 
@@ -488,45 +575,41 @@ cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stre
     return err;
   const unsigned items = static_cast<unsigned>(ws.max_items);
   moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(2 * a.inter / 16, 8)), items), kThreads, smem, stream>>>(
-      static_cast<const T*>(a.x), ws.sorted_token, ws.items, ws.num_items, a.w13, a.w13_scale, a.w13_global,
+      static_cast<const T*>(a.x), ws.sorted_token, ws.work, a.w13, a.w13_scale, a.w13_global,
       static_cast<T*>(ws.act), a.h, a.inter, a.has_limit, a.swiglu_limit);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   moe_down_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(a.h / 16, 8)), items), kThreads, smem, stream>>>(
-      static_cast<const T*>(ws.act), ws.items, ws.num_items, a.w2, a.w2_scale, a.w2_global,
-      static_cast<T*>(ws.expert_out), a.h, a.inter);
+      static_cast<const T*>(ws.act), ws.work, a.w2, a.w2_scale, a.w2_global, static_cast<T*>(ws.expert_out), a.h,
+      a.inter);
   return cudaGetLastError();
 }
 
-// align, up, down, combine. Launched as programmatic dependent launches
-// (but for the wide kernels), so each kernel's CTAs get resident while the
-// previous one finishes; every kernel waits for its inputs with
-// griddepcontrol.wait.
-template <typename T, int MT, bool kWide>
+// align (not for a direct list), up, down, combine. Launched as
+// programmatic dependent launches (but for the wide kernels), so each
+// kernel's CTAs get resident while the previous one finishes; every kernel
+// waits for its inputs with griddepcontrol.wait.
+template <typename T>
 cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  cudaError_t err = cuda::launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), a.e * sizeof(int32_t),
-                                           stream, a.topk_ids, a.m * a.k, a.k, static_cast<int>(a.e), 8 * MT,
-                                           ws.slot_pos, ws.sorted_token, ws.items, ws.num_items);
+  const Plan p = plan(a);
+  cudaError_t err = cudaSuccess;
+  if (!p.direct)
+    err = cuda::launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), a.e * sizeof(int32_t), stream,
+                                 a.topk_ids, a.m * a.k, a.k, static_cast<int>(a.e), p.item_rows(), ws.slot_pos,
+                                 ws.sorted_token, ws.items, ws.num_items);
   if (err != cudaSuccess) return err;
   if (ws.max_items > 0) {
-    if constexpr (kWide) {
-      err = launch_wide<T, MT>(a, ws, stream);
+    if (!p.wide) {
+      err = launch_narrow<true, T>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
+      if (err == cudaSuccess) err = launch_narrow<false, T>(ws.max_items * (a.h / 16), a, ws, stream);
     } else {
-      err = launch_narrow<true, T, MT>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
-      if (err == cudaSuccess) err = launch_narrow<false, T, MT>(ws.max_items * (a.h / 16), a, ws, stream);
+      err = p.mt == 4 ? launch_wide<T, 4>(a, ws, stream) : launch_wide<T, 8>(a, ws, stream);
     }
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(unsigned(a.m), unsigned(cuda::ceil_div(a.h, kCombineCols)));
   return cuda::launch_dependent(moe_combine_kernel<T>, grid, dim3(kCombineThreads), 0, stream,
-                                static_cast<const T*>(ws.expert_out), ws.slot_pos, a.topk_weights, a.k, a.h,
-                                static_cast<T*>(a.out));
-}
-
-template <typename T>
-cudaError_t launch_typed(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  const Plan p = plan(a);
-  if (!p.wide) return p.mt == 1 ? launch<T, 1, false>(a, ws, stream) : launch<T, 2, false>(a, ws, stream);
-  return p.mt == 4 ? launch<T, 4, true>(a, ws, stream) : launch<T, 8, true>(a, ws, stream);
+                                static_cast<const T*>(ws.expert_out), ws.slot_pos, a.topk_ids, static_cast<int>(a.e),
+                                a.topk_weights, a.k, a.h, static_cast<T*>(a.out));
 }
 
 }  // namespace
@@ -538,8 +621,8 @@ cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream) {
   if (a.m == 0) return cudaSuccess;
   const Workspace ws = carve(a, static_cast<char*>(workspace));
   if (ws.max_items > kMaxWorkItems) return cudaErrorInvalidConfiguration;
-  if (a.dtype == DType::kBFloat16) return launch_typed<__nv_bfloat16>(a, ws, stream);
-  if (a.dtype == DType::kFloat16) return launch_typed<__half>(a, ws, stream);
+  if (a.dtype == DType::kBFloat16) return launch<__nv_bfloat16>(a, ws, stream);
+  if (a.dtype == DType::kFloat16) return launch<__half>(a, ws, stream);
   return cudaErrorInvalidValue;
 }
 

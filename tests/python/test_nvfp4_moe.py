@@ -445,6 +445,29 @@ def test_cuda_narrow_one_warp_four_tiles_per_cta(M):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_narrow_items_of_one_and_two_m_tiles(dtype):
+    # Narrow work items hold up to 16 rows; each CTA runs the one-m-tile loop
+    # for items of 1-8 rows and the two-m-tile loop for 9-16 (nvfp4_moe.cu).
+    # Expert rows here: 40 (items of 16 + 16 + 8), 17 (16 + 1), 12, 9 and 2,
+    # in one narrow launch (mean rows per expert <= 16).
+    M, H, I, E, k = 40, 512, 256, 32, 2
+    gen = torch.Generator().manual_seed(seed_of("narrow 16-row items", str(dtype)))
+    exp = Experts(E, H, I, gen, "cuda")
+    x = random_x(M, H, dtype, gen, "cuda")
+    w, _ = random_routing(M, E, k, gen, "cuda")
+    first = torch.zeros(M, dtype=torch.int32)  # slot 0: expert 0 for all 40 tokens
+    rows = [(1, 17), (2, 12), (3, 9), (4, 2)]  # slot 1: experts 1-4 for the first 40 tokens
+    second = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in rows])
+    ids = torch.stack([first, second], dim=1)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert counts[:5].tolist() == [40, 17, 12, 9, 2]
+    y = exp.run(x, w, ids.cuda())
+    assert rel_err(y, exp.reference(x, w, ids.cuda())) <= LOW_TOL
+    assert torch.equal(exp.run(x, w, ids.cuda()), y)
+
+
+@cuda
 def test_cuda_swiglu_limit_active_and_cpu_agreement():
     gen = torch.Generator().manual_seed(20)
     exp = Experts(16, 1024, 512, gen)
@@ -525,6 +548,14 @@ def test_cuda_out_of_range_ids_are_dropped():
     want = exp.reference(x, w, ids, drop_invalid=True)
     assert rel_err(y, want) <= LOW_TOL
     assert torch.equal(y[3], torch.zeros_like(y[3]))
+    # One token takes the direct path (its slots are the work items, no
+    # align kernel): bad slots are skipped there as well.
+    for row in (5, 9, 11):
+        y1 = exp.run(x[row : row + 1], w[row : row + 1], ids[row : row + 1])
+        want1 = exp.reference(x[row : row + 1], w[row : row + 1], ids[row : row + 1], drop_invalid=True)
+        assert rel_err(y1, want1) <= LOW_TOL, row
+    y1 = exp.run(x[3:4], w[3:4], ids[3:4])
+    assert torch.equal(y1, torch.zeros_like(y1))
 
 
 @cuda
