@@ -468,6 +468,37 @@ def test_cuda_narrow_items_of_one_and_two_m_tiles(dtype):
 
 
 @cuda
+def test_cuda_one_token_repeats_eagerly_and_in_a_graph():
+    # One token takes the direct path (its slots are the work items, no
+    # align kernel). Calls back to back, eagerly and as graph replays, must
+    # all give the same output.
+    gen = torch.Generator().manual_seed(31)
+    H, I, E, k = 1024, 512, 16, 6
+    exp = Experts(E, H, I, gen, "cuda")
+    x = random_x(1, H, torch.bfloat16, gen, "cuda")
+    w, ids = random_routing(1, E, k, gen, "cuda")
+    y = exp.run(x, w, ids)
+    assert rel_err(y, exp.reference(x, w, ids)) <= LOW_TOL
+    for _ in range(3):
+        assert torch.equal(exp.run(x, w, ids), y)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        exp.run(x, w, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [exp.run(x, w, ids) for _ in range(3)]
+    for _ in range(2):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(o, y)
+
+
+@cuda
 def test_cuda_swiglu_limit_active_and_cpu_agreement():
     gen = torch.Generator().manual_seed(20)
     exp = Experts(16, 1024, 512, gen)
