@@ -38,8 +38,9 @@ weights, prepacks the NVFP4 stacks (checkpoint + prepacked copy, ~29 GB)
 and times ours on the same input sets. Everything is freed between layers.
 
 Timing: lowbit.bench.harness.time_calls (CUDA graphs, median of 30
-replays, 10 above M = 256 where calls take ms; a side whose capture fails
-is timed eagerly and says so, one that fails is left blank).
+samples of back-to-back replays, 10 above M = 256 where calls take ms; a
+side whose capture fails is timed eagerly and says so, one that fails is
+left blank).
 Each row rotates >= 2 input sets, as many as make one pass over the
 distinct experts they read >= 3x L2 (at most 8); every set draws fresh ids
 and x, so the routed weights come from HBM (the shared expert is common to
