@@ -206,6 +206,7 @@ __device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_l
 // per 8, while the many 1-8-row items keep the 3-stage one-m-tile loop.
 // Each CTA branches on its item's row count (uniform across the CTA).
 constexpr int kNarrowItemRows = 16;
+__device__ __forceinline__ bool two_m_tiles(const Item& it) { return it.rows > 8; }
 
 // CTAs per SM: 16 warps in all (the register budget of the main loop).
 template <int W, int TP> constexpr int kNarrowCtasPerSm = gemm::mma::kWarps * 2 / (W * TP);
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_k
   Item it;
   if (!work.fetch(it)) return;
   __shared__ NarrowSmem<W, TP> smem;
-  if (it.rows > 8)
+  if (two_m_tiles(it))
     up_item<T, 2>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
   else
     up_item<T, 1>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
@@ -321,13 +322,13 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down
   if (threadIdx.x % (32 * W) == 0 && work.fetch(it)) {
     const int64_t expert = min(max(it.expert, 0), work.experts - 1);
     const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
-    const int stages = it.rows > 8 ? gemm::mma::kStages<2> : gemm::mma::kStages<1>;
+    const int stages = two_m_tiles(it) ? gemm::mma::kStages<2> : gemm::mma::kStages<1>;
     if (nt < ntiles) prefetch_tile(w2, s2, expert * ntiles + nt, padded_k(inter) / kTileK, stages * W);
   }
   cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (!work.fetch(it)) return;
   __shared__ NarrowSmem<W, TP> smem;
-  if (it.rows > 8)
+  if (two_m_tiles(it))
     down_item<T, 2>(smem, it, act, w2, s2, g2, expert_out, h, inter);
   else
     down_item<T, 1>(smem, it, act, w2, s2, g2, expert_out, h, inter);
