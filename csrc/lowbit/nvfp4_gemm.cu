@@ -23,7 +23,6 @@
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
-#include "lowbit/sm90.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
@@ -135,15 +134,10 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int64_t kc_begin = int64_t(blockIdx.z) * tiles_per_split;
   const int64_t kc_end = min(tiles_k, kc_begin + tiles_per_split);
-  const uint4* wbase = reinterpret_cast<const uint4*>(weight) + nt * tiles_k * (kTileBytes / 16);
-  const uint4* sbase = reinterpret_cast<const uint4*>(scale) + nt * tiles_k * (kTileScaleBytes / 16);
-  if (threadIdx.x == 0) {  // the tiles of every warp's first register stages
-    const int64_t tiles = min(kc_end, kc_begin + mma::kStages<MT> * W) - kc_begin;
-    if (tiles > 0) {
-      sm90::prefetch_l2(wbase + kc_begin * (kTileBytes / 16), uint32_t(tiles * kTileBytes));
-      sm90::prefetch_l2(sbase + kc_begin * (kTileScaleBytes / 16), uint32_t(tiles * kTileScaleBytes));
-    }
-  }
+  const uint4* wbase = mma::tile_row_codes(weight, nt, tiles_k);
+  const uint4* sbase = mma::tile_row_scales(scale, nt, tiles_k);
+  if (threadIdx.x == 0)  // the tiles of every warp's first register stages
+    mma::prefetch_ktiles_l2(wbase, sbase, kc_begin, min(kc_end, kc_begin + mma::kStages<MT> * W));
   cuda::wait_for_previous_grid();
 
   const T* xrow[MT];
@@ -196,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
   for (int j = 0; j < MT / 2; ++j)
     xsrc[j] = x + min(m0 + threadIdx.x / 16 + 16 * j, m - 1) * k + (threadIdx.x % 16) * 8;
   const int64_t row_tile = active ? nt : 0;
-  const uint4* wtiles = reinterpret_cast<const uint4*>(weight) + row_tile * tiles_k * (kTileBytes / 16);
-  const uint4* stiles = reinterpret_cast<const uint4*>(scale) + row_tile * tiles_k * (kTileScaleBytes / 16);
+  const uint4* wtiles = mma::tile_row_codes(weight, row_tile, tiles_k);
+  const uint4* stiles = mma::tile_row_scales(scale, row_tile, tiles_k);
   extern __shared__ uint4 wide_smem[];
   auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];

@@ -16,6 +16,7 @@
 
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm_layout.h"
+#include "lowbit/sm90.cuh"
 
 namespace lowbit::nvfp4::gemm::mma {
 
@@ -96,6 +97,24 @@ template <> struct Mma<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
+
+// First k-tile of W tile row `tile_row` in the prepacked layout: its codes
+// and its scales.
+__device__ __forceinline__ const uint4* tile_row_codes(const uint8_t* weight, int64_t tile_row, int64_t tiles_k) {
+  return reinterpret_cast<const uint4*>(weight) + tile_row * tiles_k * (kTileBytes / 16);
+}
+__device__ __forceinline__ const uint4* tile_row_scales(const uint8_t* scale, int64_t tile_row, int64_t tiles_k) {
+  return reinterpret_cast<const uint4*>(scale) + tile_row * tiles_k * (kTileScaleBytes / 16);
+}
+
+// Starts moving k-tiles [kc_begin, kc_end) of a W tile row (codes and
+// scales, from tile_row_codes / tile_row_scales) into L2 without waiting.
+__device__ __forceinline__ void prefetch_ktiles_l2(const uint4* wtiles, const uint4* stiles, int64_t kc_begin,
+                                                   int64_t kc_end) {
+  if (kc_end <= kc_begin) return;
+  sm90::prefetch_l2(wtiles + kc_begin * (kTileBytes / 16), uint32_t((kc_end - kc_begin) * kTileBytes));
+  sm90::prefetch_l2(stiles + kc_begin * (kTileScaleBytes / 16), uint32_t((kc_end - kc_begin) * kTileScaleBytes));
+}
 
 // One 128-column tile's operands held by a lane.
 template <int MT>

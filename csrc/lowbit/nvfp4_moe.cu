@@ -35,7 +35,6 @@
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
 #include "lowbit/nvfp4_moe.h"
-#include "lowbit/sm90.cuh"
 
 namespace lowbit::nvfp4::moe {
 namespace {
@@ -168,24 +167,6 @@ __device__ __forceinline__ const T* item_row(const T* base, const int32_t* sorte
   return base + row * row_elems;
 }
 
-// First k-tile of W tile row `tile_row` (codes, scales) in the prepacked layout.
-__device__ __forceinline__ const uint4* tile_codes(const uint8_t* w, int64_t tile_row, int64_t tiles_k) {
-  return reinterpret_cast<const uint4*>(w) + tile_row * tiles_k * (kTileBytes / 16);
-}
-__device__ __forceinline__ const uint4* tile_scales(const uint8_t* s, int64_t tile_row, int64_t tiles_k) {
-  return reinterpret_cast<const uint4*>(s) + tile_row * tiles_k * (kTileScaleBytes / 16);
-}
-
-// Starts loading the first `tiles` k-tiles (codes and scales) of W tile row
-// `tile_row` into L2.
-__device__ __forceinline__ void prefetch_tile(const uint8_t* w, const uint8_t* s, int64_t tile_row, int64_t tiles_k,
-                                              int64_t tiles) {
-  tiles = min(tiles, tiles_k);
-  if (tiles <= 0) return;
-  sm90::prefetch_l2(tile_codes(w, tile_row, tiles_k), uint32_t(tiles * kTileBytes));
-  sm90::prefetch_l2(tile_scales(s, tile_row, tiles_k), uint32_t(tiles * kTileScaleBytes));
-}
-
 // silu(min(gate, L)) * clamp(up, -L, L); comparisons keep NaN, as torch.clamp does.
 __device__ __forceinline__ float clamped_swiglu(float gate, float up, bool has_limit, float limit) {
   if (has_limit) {
@@ -241,8 +222,9 @@ __device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (
       xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
     }
     float acc[MT][4];
-    gemm::mma::warp_mainloop<T, MT, W>(acc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k),
-                                       xrow, k, 0, tiles_k, warp, lane);
+    gemm::mma::warp_mainloop<T, MT, W>(acc, gemm::mma::tile_row_codes(w, tile_row, tiles_k),
+                                       gemm::mma::tile_row_scales(s, tile_row, tiles_k), xrow, k, 0, tiles_k, warp,
+                                       lane);
     partial[sub].store(acc, warp, lane);
   }
   __syncthreads();
@@ -323,7 +305,11 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down
     const int64_t expert = min(max(it.expert, 0), work.experts - 1);
     const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
     const int stages = two_m_tiles(it) ? gemm::mma::kStages<2> : gemm::mma::kStages<1>;
-    if (nt < ntiles) prefetch_tile(w2, s2, expert * ntiles + nt, padded_k(inter) / kTileK, stages * W);
+    const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
+    if (nt < ntiles)
+      gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
+                                    gemm::mma::tile_row_scales(s2, tile_row, tiles_k), 0,
+                                    min(tiles_k, int64_t(stages) * W));
   }
   cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (!work.fetch(it)) return;
@@ -358,8 +344,8 @@ __device__ __forceinline__ bool wide_tile_sums(float (&acc)[MT][4], int64_t& nt,
   }
   extern __shared__ uint4 wide_smem[];  // sizeof(WideSmem<T, MT>), set at launch
   auto& sm = *reinterpret_cast<gemm::mma::WideSmem<T, MT>*>(wide_smem);
-  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc, tile_codes(w, tile_row, tiles_k), tile_scales(s, tile_row, tiles_k),
-                                  active, k, 0, tiles_k);
+  gemm::mma::wide_mainloop<T, MT>(acc, sm, xsrc, gemm::mma::tile_row_codes(w, tile_row, tiles_k),
+                                  gemm::mma::tile_row_scales(s, tile_row, tiles_k), active, k, 0, tiles_k);
   return active;
 }
 
