@@ -18,6 +18,8 @@
 // atomics).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm.h"
@@ -278,7 +280,7 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
       if (p.mt == 2) return launch_wide<T, 2>(a, p, stream);
       return p.mt == 4 ? launch_wide<T, 4>(a, p, stream) : launch_wide<T, 8>(a, p, stream);
     case LinearPath::kWgmma:
-      return linear_wgmma_cuda(a, stream);
+      return linear_wgmma_cuda(a, p, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -331,6 +333,23 @@ int one_wave_warps_per_tile(int64_t tiles) {
   return 0;
 }
 
+namespace {
+// LOWBIT_LINEAR_PATH (nvfp4_gemm.h): the forced path, or -1.
+int forced_path() {
+  static const int path = [] {
+    const char* v = std::getenv("LOWBIT_LINEAR_PATH");
+    if (!v) return -1;
+    const std::string s(v);
+    if (s == "narrow") return static_cast<int>(LinearPath::kNarrow);
+    if (s == "wide") return static_cast<int>(LinearPath::kWide);
+    if (s == "wgmma") return static_cast<int>(LinearPath::kWgmma);
+    if (s == "unpack") return static_cast<int>(LinearPath::kUnpack);
+    return -1;
+  }();
+  return path;
+}
+}  // namespace
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -339,8 +358,13 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // when its unsplit CTAs fill 40% of the SMs: there the narrow kernel's x
   // loads (16 rows, read again for every W tile) cost more than the W loads.
   const bool wide_small_m = m > 8 && 10 * cuda::ceil_div(ntiles, 8) >= 4 * sms;
-  if (m <= kNarrowMaxM && !wide_small_m) {
-    p.path = LinearPath::kNarrow;
+  LinearPath path = m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
+                    : m <= kWideMaxM                  ? LinearPath::kWide
+                    : m <= kWgmmaMaxM                 ? LinearPath::kWgmma
+                                                      : LinearPath::kUnpack;
+  if (forced_path() >= 0) path = static_cast<LinearPath>(forced_path());
+  p.path = path;
+  if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)
     // that give every SM 10 to 16 warps in one wave; otherwise 8, with K
@@ -352,13 +376,12 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
                                ? 1
                                : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / kWarps));
     p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
-  } else if (m <= kWideMaxM) {
+  } else if (path == LinearPath::kWide) {
     // Split K to fill the SMs: the splits s (at least 4 k-tiles each)
     // minimizing waves(CTAs * s) * (k-tiles per split + 6), the 6 standing
     // for a CTA's pipeline fill, epilogue and partials. Fitted on H100 runs
     // (docs/PERF.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
     // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
-    p.path = LinearPath::kWide;
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
     const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as MT 4
@@ -372,13 +395,12 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       }
     }
     p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, best));
+  } else if (path == LinearPath::kWgmma) {
+    p.mt = linear_wgmma_tokens(m);
+    p.splits = linear_wgmma_splits(m, n, k);
+    return p;
   } else {
-    // The wgmma kernel has no split-K yet: with fewer 128 x 256 output tiles
-    // than 3/4 of the SMs, unpack + cuBLAS is faster (docs/PERF.md, v6).
-    const bool enough_tiles = 4 * linear_wgmma_tiles(m, n) >= 3 * sms;
-    p.path = m <= kWgmmaMaxM && enough_tiles ? LinearPath::kWgmma : LinearPath::kUnpack;
     p.splits = 1;
-    p.workspace_bytes = p.path == LinearPath::kWgmma ? linear_wgmma_workspace_bytes(m, k) : 0;
     return p;
   }
   p.workspace_bytes = p.splits > 1 ? p.splits * m * n * int64_t{sizeof(float)} : 0;

@@ -51,31 +51,30 @@ cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);
 cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 
 // How the fused GEMM runs a problem, chosen on the host from the shape and
-// the device (nvfp4_gemm.cu describes the kernels):
+// the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):
 //   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
 //                     when the W tiles alone do not fill the SMs (M 9..16
 //                     with many W tiles: the wide kernel)
 //   M <= kWideMaxM    wide kernel: 128 W rows x 16, 32 or 64 x rows per CTA,
 //                     x in shared memory, split-K to fill the SMs
-//   M <= kWgmmaMaxM   wgmma kernel (nvfp4_gemm_wgmma.cu) when its tiles fill
-//                     3/4 of the SMs: persistent, 128 W rows x 256 x rows
-//                     per tile, x copied once into a K-permuted, swizzled
-//                     image (the workspace) that bulk copies move into
-//                     shared memory as the wgmma B operand
+//   M <= kWgmmaMaxM   wgmma kernel: 128 W rows x 256 tokens per CTA, W
+//                     decoded into shared memory by warps of its own, x by
+//                     TMA, K split over a cluster when the tiles are few
 //   otherwise         kUnpack: left to the caller (unpack the weight + cuBLAS
 //                     in the binding): above 2048 rows the unpack costs less
-//                     than the wgmma kernel's distance to cuBLAS, and with few
-//                     tiles the wgmma kernel (no split-K) leaves SMs idle
-//                     (docs/PERF.md)
+//                     than the wgmma kernel's distance to cuBLAS
+//                     (docs/PERF.md, Linear v8)
+// LOWBIT_LINEAR_PATH=narrow|wide|wgmma|unpack in the environment (read once)
+// forces a path for every M, for benchmarks.
 constexpr int64_t kNarrowMaxM = 16;
 constexpr int64_t kWideMaxM = 128;
 constexpr int64_t kWgmmaMaxM = 2048;
 enum class LinearPath { kNarrow, kWide, kWgmma, kUnpack };
 struct LinearPlan {
   LinearPath path;
-  int mt;                    // narrow / wide: 8-row m-tiles per warp
+  int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
   int warps;                 // narrow: warps per CTA, all on one 16-row W tile
-  int64_t splits;            // K splits (FP32 partials added in split order when > 1)
+  int64_t splits;            // K splits (narrow / wide: FP32 partials added in split order; wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
@@ -85,11 +84,11 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 int one_wave_warps_per_tile(int64_t tiles);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
-// The wgmma kernel (nvfp4_gemm_wgmma.cu): its output tiles, workspace and
-// launch.
-int64_t linear_wgmma_tiles(int64_t m, int64_t n);
-int64_t linear_wgmma_workspace_bytes(int64_t m, int64_t k);
-cudaError_t linear_wgmma_cuda(const LinearArgs& args, cudaStream_t stream);
+// The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K
+// splits, launch.
+int linear_wgmma_tokens(int64_t m);
+int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k);
+cudaError_t linear_wgmma_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::nvfp4::gemm

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) building blocks: mbarriers, bulk copies into shared memory
-// (cp.async.bulk, the TMA engine without a tensor map), and warpgroup MMA
-// (wgmma) with the A operand in registers and B in shared memory.
+// Hopper (sm_90a) building blocks: mbarriers, bulk and tensor copies into
+// shared memory (the TMA engine), cluster barriers and distributed shared
+// memory, and warpgroup MMA (wgmma) with the A operand in registers or in
+// shared memory and B in shared memory.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,11 +51,51 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// A 2-D box of a tensor (tensor map from cuTensorMapEncodeTiled, passed as a
+// __grid_constant__ kernel parameter) into shared memory at column c0, row
+// c1; out-of-range elements arrive as zeros and count toward the bytes.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, int32_t c0, int32_t c1,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(smem_addr(dst)),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// Orders this thread's ordinary shared-memory writes before later reads of
+// the async proxy (wgmma operands, bulk copies).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Starts moving bytes (a multiple of 16, 16-byte aligned) from global memory
 // into L2 without waiting. L2 is coherent, so this is safe before
 // griddepcontrol.wait even for data the previous grid writes.
 __device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// ---- clusters --------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster arrives, then waits; orders
+// shared-memory writes before the barrier with reads by other CTAs after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// 16 bytes of CTA `rank`'s shared memory at the address that p has in this CTA.
+__device__ __forceinline__ float4 ld_shared_cluster_f4(const void* p, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
 }
 
 // ---- warpgroup register budget ----------------------------------------------
@@ -75,6 +116,15 @@ template <int kRegs> __device__ __forceinline__ void regs_alloc() {
 __device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t saddr) {
   return static_cast<uint64_t>((saddr & 0x3ffffu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
+}
+
+// Descriptor of a K-major operand tile without swizzle: 8-row x 16-byte core
+// matrices (each 128 contiguous bytes, row r at 16 r), core matrices
+// adjacent in K `lbo` bytes apart and adjacent in M/N `sbo` bytes apart
+// (both multiples of 16).
+__device__ __forceinline__ uint64_t desc_k_major_interleave(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3ffffu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -122,18 +172,67 @@ __device__ __forceinline__ void fence_operand(float& v) { asm volatile("" : "+f"
                : LOWBIT_WGMMA_D128_OPERANDS                                                                         \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1))
 
+// d (64 x N, FP32) = (accumulate ? d : 0) + a (64 x 16) * b (16 x N), both
+// K-major in shared memory (descriptors), N = 256 or 128. Same d layout as
+// above.
+#define LOWBIT_WGMMA_M64N256K16_SS(TYPE)                                                                          \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE \
+               "." TYPE " " LOWBIT_WGMMA_D128 ", %128, %129, p, 1, 1, 0, 0;\n}"                                    \
+               : LOWBIT_WGMMA_D128_OPERANDS                                                                       \
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+
+#define LOWBIT_WGMMA_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define LOWBIT_WGMMA_D64_OPERANDS \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define LOWBIT_WGMMA_M64N128K16_SS(TYPE)                                                                         \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE \
+               "." TYPE " " LOWBIT_WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n}"                                      \
+               : LOWBIT_WGMMA_D64_OPERANDS                                                                        \
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+
 template <typename T> struct Wgmma;
 template <> struct Wgmma<__nv_bfloat16> {
   __device__ __forceinline__ static void m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc) {
     LOWBIT_WGMMA_M64N256K16("bf16");
+  }
+  __device__ __forceinline__ static void m64n256k16_ss(float (&d)[128], uint64_t a_desc, uint64_t b_desc,
+                                                       uint32_t accumulate) {
+    LOWBIT_WGMMA_M64N256K16_SS("bf16");
+  }
+  __device__ __forceinline__ static void m64n128k16_ss(float (&d)[64], uint64_t a_desc, uint64_t b_desc,
+                                                       uint32_t accumulate) {
+    LOWBIT_WGMMA_M64N128K16_SS("bf16");
   }
 };
 template <> struct Wgmma<__half> {
   __device__ __forceinline__ static void m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc) {
     LOWBIT_WGMMA_M64N256K16("f16");
   }
+  __device__ __forceinline__ static void m64n256k16_ss(float (&d)[128], uint64_t a_desc, uint64_t b_desc,
+                                                       uint32_t accumulate) {
+    LOWBIT_WGMMA_M64N256K16_SS("f16");
+  }
+  __device__ __forceinline__ static void m64n128k16_ss(float (&d)[64], uint64_t a_desc, uint64_t b_desc,
+                                                       uint32_t accumulate) {
+    LOWBIT_WGMMA_M64N128K16_SS("f16");
+  }
 };
 #undef LOWBIT_WGMMA_M64N256K16
+#undef LOWBIT_WGMMA_M64N256K16_SS
+#undef LOWBIT_WGMMA_M64N128K16_SS
+#undef LOWBIT_WGMMA_D64_OPERANDS
+#undef LOWBIT_WGMMA_D64
 #undef LOWBIT_WGMMA_D128_OPERANDS
 #undef LOWBIT_WGMMA_D128
 

@@ -247,8 +247,8 @@ cuda = pytest.mark.cuda
 
 # Every path of the CUDA dispatch and its edges: the narrow kernel (one or
 # two m-tiles), the wide kernel (32 or 64 rows per CTA, several row blocks),
-# unpack + cuBLAS (above 2048 rows, or few output tiles). The wgmma kernel
-# needs many 128-row W blocks: test_cuda_wgmma_edges.
+# the wgmma kernel (129..2048 rows: partial token tiles, K split over
+# clusters when the tiles are few), unpack + cuBLAS (above 2048 rows).
 CUDA_M = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 300, 1000, 2100]
 
 
@@ -283,17 +283,23 @@ def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_wgmma_edges(dtype):
-    # N = 16 * 769: 97 W blocks of 128 rows, the last one cut at 16 rows;
-    # K = 2176: a partial last k-tile; M: partial 256-token tiles, and at
-    # M = 1000 more tiles (388) than SMs, so CTAs loop over several. (At
-    # M <= 256 the 97 tiles are too few and unpack + cuBLAS runs instead.)
-    n, k = 16 * 769, 2176
-    gen = torch.Generator().manual_seed(13)
+@pytest.mark.parametrize(
+    "n,k,ms",
+    [
+        # 97 blocks of 128 W rows, the last cut at 16 rows; a partial last
+        # k-tile; partial 256-token tiles, K split in two at M = 300.
+        (16 * 769, 2176, (300, 1000)),
+        # 8 output tiles: K (15 k-tiles, the last one partial) split over
+        # clusters of 8 CTAs, the last split one k-tile long.
+        (1024, 1904, (129, 256)),
+    ],
+)
+def test_cuda_wgmma_edges(dtype, n, k, ms):
+    gen = torch.Generator().manual_seed(n + k)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
     bias = torch.randn(n, generator=gen).to(dtype).cuda()
-    for m in (300, 1000):
+    for m in ms:
         x = torch.randn(m, k, generator=gen).to(dtype).cuda()
         for b in (None, bias):
             y = lowbit.nvfp4_linear(x, pw, ps, g, b)
