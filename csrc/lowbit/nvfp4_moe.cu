@@ -1,10 +1,10 @@
-// CUDA kernels of the NVFP4 MoE (nvfp4_moe.h). Four launches, grids sized
-// from upper bounds known on the host (no host synchronization, so a CUDA
-// graph captures them):
+// CUDA kernels of the NVFP4 MoE (nvfp4_moe.h). Four launches (five on the
+// wgmma path), grids sized from upper bounds known on the host (no host
+// synchronization, so a CUDA graph captures them):
 //   1. align (one CTA): counts the (token, slot) pairs per expert, gives each
 //      pair a row in expert-sorted order and cuts each expert's rows into
 //      work items (expert, first row, rows) of at most 16 rows (narrow
-//      kernels) or 8 MT (wide).
+//      kernels), 8 MT (wide) or NT (wgmma).
 //   2. up: per work item and 16-row tile of W13 the decode + mma main loop
 //      (nvfp4_mma.cuh) over K = H, with x's rows gathered through the
 //      sorted order; the epilogue applies the global scale and the clamped
@@ -12,9 +12,11 @@
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
 //      The narrow form (few rows per expert) runs 1-8 warps per W tile and
 //      1 or 4 tiles per CTA (narrow_shape), one or two 8-row m-tiles as
-//      the item needs; with many rows per expert
-//      (plan()) the wide form takes 128 W rows per CTA with x staged in
-//      shared memory.
+//      the item needs; with more rows per expert (plan()) the wide form
+//      takes 128 W rows per CTA with x staged in shared memory; with many,
+//      the wgmma form (nvfp4_wgmma.cuh: W decoded into shared memory by
+//      warps of its own, wgmma) takes 128 W rows x NT rows per CTA, after a
+//      kernel that writes x in sorted order.
 //   3. down: the same over K = I with h's rows, writing each pair's expert
 //      output (x's dtype) in sorted order.
 //   4. combine: per token and 1024 columns, adds the token's k expert
@@ -26,7 +28,8 @@
 // output is bitwise reproducible.
 //
 // Chaining (docs/ARCHITECTURE.md, "Chained kernels"): every kernel but the
-// wide ones is a programmatic dependent launch. The up kernel lets the down
+// wide ones is a programmatic dependent launch (the wgmma kernels' threads
+// all wait before they read their item). The up kernel lets the down
 // kernel start only after its own wait for the align kernel, so the down
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
@@ -35,6 +38,7 @@
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
 #include "lowbit/nvfp4_moe.h"
+#include "lowbit/nvfp4_wgmma.cuh"
 
 namespace lowbit::nvfp4::moe {
 namespace {
@@ -143,8 +147,8 @@ struct WorkList {
   const int32_t* ids;         // direct: [slots]
   int32_t slots, experts;
 
-  __device__ __forceinline__ bool fetch(Item& it) const {
-    const int y = static_cast<int>(blockIdx.y);
+  __device__ __forceinline__ bool fetch(Item& it) const { return fetch_at(static_cast<int>(blockIdx.y), it); }
+  __device__ __forceinline__ bool fetch_at(int y, Item& it) const {
     if (items) {
       if (y >= *num_items) return false;
       it = items[y];
@@ -399,6 +403,101 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
     }
 }
 
+// ---- wgmma kernels (nvfp4_wgmma.cuh), for experts with many rows ------------
+// One CTA per (128 rows of W, work item of up to NT rows). The up kernel's
+// x operand is x in sorted order, written by moe_sort_x_kernel into the
+// expert_out buffer (free until the down kernel writes it), so a TMA box
+// takes an item's rows; the down kernel's is h, already in sorted order.
+// Rows of a box past the item are other items' rows (or zeros past the
+// buffer): computed, never stored.
+
+// x_sorted[slot_pos[i]] = x[i / k] for every valid slot i; grid: slots,
+// 8 columns per thread.
+template <typename T>
+__global__ void __launch_bounds__(128) moe_sort_x_kernel(const T* __restrict__ x, const int32_t* __restrict__ slot_pos,
+                                                          int64_t k, int64_t h, T* __restrict__ x_sorted) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_previous_grid();  // slot_pos (align); x_sorted's buffer is free
+  const int64_t i = blockIdx.x;
+  const int32_t pos = slot_pos[i];
+  if (pos < 0) return;
+  const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * h);
+  uint4* dst = reinterpret_cast<uint4*>(x_sorted + int64_t(pos) * h);
+  for (int64_t c = threadIdx.x; c < h / 8; c += blockDim.x) dst[c] = __ldg(src + c);
+}
+
+// The work item blockIdx.z (items final once the previous kernel is done:
+// every thread waits, then reads it) and its W block blockIdx.y.
+__device__ __forceinline__ bool moe_wgmma_tile(const WorkList& work, int64_t ntiles, gemm::wgmma::Tile& t) {
+  cuda::wait_for_previous_grid();
+  Item it;
+  if (!work.fetch_at(static_cast<int>(blockIdx.z), it)) return false;
+  t.w_tile_row = static_cast<int32_t>(int64_t(it.expert) * ntiles + int64_t(blockIdx.y) * (gemm::wgmma::kBN / 16));
+  t.x_row = it.row;
+  t.group = it.expert;
+  t.rows = it.rows;
+  return true;
+}
+
+// Up projection + SwiGLU: W tile j of the expert (interleaved rows: gate of
+// intermediate columns 8 j .. 8 j + 7, then their up) gives h columns
+// 8 j .. 8 j + 7.
+template <typename T, int NT>
+struct MoeUpProblem {
+  WorkList work;
+  const float* g13;
+  T* act;  // [M k, I]
+  int64_t inter;
+  bool has_limit;
+  float limit;
+
+  __device__ __forceinline__ bool tile(gemm::wgmma::Tile& t) const { return moe_wgmma_tile(work, 2 * inter / 16, t); }
+  __device__ __forceinline__ void store(const gemm::wgmma::DumpView<NT>& dump, const gemm::wgmma::Tile& t, int r0,
+                                        int r1) const {
+    const float gs = __ldg(g13 + t.group) * kDecodeUnscale;
+    constexpr int kTiles = gemm::wgmma::kBN / 16;
+    r1 = min(r1, t.rows);
+    for (int e = threadIdx.x; e < (r1 - r0) * kTiles; e += 256) {
+      const int r = r0 + e / kTiles, i = e % kTiles;
+      const int64_t j = int64_t(blockIdx.y) * kTiles + i;  // intermediate columns 8 j ..
+      if (j >= 2 * inter / 16) continue;
+      float gate[8], up[8], hv[8];
+      dump.sum8(r, 16 * i, gate);
+      dump.sum8(r, 16 * i + 8, up);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) hv[c] = clamped_swiglu(gate[c] * gs, up[c] * gs, has_limit, limit);
+      cuda::store8(act + int64_t(t.x_row + r) * inter + 8 * j, hv);
+    }
+  }
+};
+
+// Down projection: the expert's output rows in sorted order.
+template <typename T, int NT>
+struct MoeDownProblem {
+  WorkList work;
+  const float* g2;
+  T* expert_out;  // [M k, H]
+  int64_t h;
+
+  __device__ __forceinline__ bool tile(gemm::wgmma::Tile& t) const { return moe_wgmma_tile(work, h / 16, t); }
+  __device__ __forceinline__ void store(const gemm::wgmma::DumpView<NT>& dump, const gemm::wgmma::Tile& t, int r0,
+                                        int r1) const {
+    const float gs = __ldg(g2 + t.group) * kDecodeUnscale;
+    constexpr int kChunks = gemm::wgmma::kBN / 8;
+    r1 = min(r1, t.rows);
+    for (int e = threadIdx.x; e < (r1 - r0) * kChunks; e += 256) {
+      const int r = r0 + e / kChunks, c = 8 * (e % kChunks);
+      const int64_t o = int64_t(blockIdx.y) * gemm::wgmma::kBN + c;
+      if (o >= h) continue;
+      float v[8];
+      dump.sum8(r, c, v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] *= gs;
+      cuda::store8(expert_out + int64_t(t.x_row + r) * h + o, v);
+    }
+  }
+};
+
 // out[t] = sum_j w[t, j] * expert_out[slot_pos[t, j]], FP32, slot order
 // (direct list: slot_pos is null and slot j's row is j when its id is valid).
 // grid: (M, H / kCombineCols); 8 columns per thread. The slots' rows are
@@ -444,23 +543,33 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
 
 // Kernel plan from the mean rows per expert that can get any: few rows ->
 // the narrow kernels (warps split K, one 16-row W tile per CTA, x from
-// global memory, items of up to kNarrowItemRows); many -> the wide kernels
-// (x staged in shared memory and shared by 128 W rows, items of 8 MT rows).
+// global memory, items of up to kNarrowItemRows); more -> the wide kernels
+// (x staged in shared memory and shared by 128 W rows, items of 8 MT rows);
+// many -> the wgmma kernels (items of up to NT rows, x sorted first).
 // One token needs no grouping: its slots are the work items (direct), and
 // the align kernel is left out of the chain.
+// The wgmma kernels' token tile (items of up to that many rows) follows the
+// mean too: measured on the DeepSeek layers at M = 4096 (docs/PERF.md, MoE
+// v9), 256-row tiles win from 128 rows per expert on (half-empty tiles
+// cost less than decoding each expert's weights twice), 128-row tiles from
+// 80, the wide kernels below.
+enum class Kernels { kNarrow, kWide, kWgmma };
 struct Plan {
-  bool wide;
-  int mt;       // wide: 8-row m-tiles per item
+  Kernels kernels;
+  int mt;       // wide: 8-row m-tiles per item; wgmma: rows per item (NT)
   bool direct;  // one token: WorkList's direct form, no align kernel
-  int item_rows() const { return wide ? 8 * mt : kNarrowItemRows; }
+  int item_rows() const {
+    return kernels == Kernels::kNarrow ? kNarrowItemRows : kernels == Kernels::kWide ? 8 * mt : mt;
+  }
 };
 Plan plan(const MoeArgs& a) {
   const int64_t slots = a.m * a.k;
   const int64_t active = std::min<int64_t>(a.e, slots);
   const int64_t mean = active > 0 ? slots / active : 0;
-  if (mean <= 16) return {false, 0, a.m == 1};
-  if (mean <= 40) return {true, 4, false};
-  return {true, 8, false};
+  if (mean <= 16) return {Kernels::kNarrow, 0, a.m == 1};
+  if (mean <= 40) return {Kernels::kWide, 4, false};
+  if (mean < 80) return {Kernels::kWide, 8, false};
+  return {Kernels::kWgmma, mean < 128 ? 128 : 256, false};
 }
 
 int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -571,6 +680,29 @@ cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// The wgmma path: sort x into the expert_out buffer, then up (+ SwiGLU) and
+// down (nvfp4_wgmma.cuh), all programmatic dependent launches.
+template <typename T, int NT>
+cudaError_t launch_wgmma(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  namespace wg = gemm::wgmma;
+  const int64_t slots = a.m * a.k;
+  T* x_sorted = static_cast<T*>(ws.expert_out);
+  cudaError_t err = cuda::launch_dependent(moe_sort_x_kernel<T>, dim3(unsigned(slots)), dim3(128), 0, stream,
+                                           static_cast<const T*>(a.x), ws.slot_pos, a.k, a.h, x_sorted);
+  if (err != cudaSuccess) return err;
+  wg::Maps up_maps, down_maps;
+  if ((err = wg::make_maps(up_maps, x_sorted, a.dtype, slots, a.h, NT, a.w13, a.w13_scale, a.e * 2 * a.inter)) !=
+          cudaSuccess ||
+      (err = wg::make_maps(down_maps, ws.act, a.dtype, slots, a.inter, NT, a.w2, a.w2_scale, a.e * a.h)) !=
+          cudaSuccess)
+    return err;
+  const MoeUpProblem<T, NT> up{ws.work, a.w13_global, static_cast<T*>(ws.act), a.inter, a.has_limit, a.swiglu_limit};
+  err = wg::launch<T, NT>(up_maps, up, a.h, 1, cuda::ceil_div(2 * a.inter, wg::kBN), ws.max_items, stream);
+  if (err != cudaSuccess) return err;
+  const MoeDownProblem<T, NT> down{ws.work, a.w2_global, static_cast<T*>(ws.expert_out), a.h};
+  return wg::launch<T, NT>(down_maps, down, a.inter, 1, cuda::ceil_div(a.h, wg::kBN), ws.max_items, stream);
+}
+
 // align (not for a direct list), up, down, combine. Launched as
 // programmatic dependent launches (but for the wide kernels), so each
 // kernel's CTAs get resident while the previous one finishes; every kernel
@@ -585,11 +717,13 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
                                  ws.sorted_token, ws.items, ws.num_items);
   if (err != cudaSuccess) return err;
   if (ws.max_items > 0) {
-    if (!p.wide) {
+    if (p.kernels == Kernels::kNarrow) {
       err = launch_narrow<true, T>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
       if (err == cudaSuccess) err = launch_narrow<false, T>(ws.max_items * (a.h / 16), a, ws, stream);
-    } else {
+    } else if (p.kernels == Kernels::kWide) {
       err = p.mt == 4 ? launch_wide<T, 4>(a, ws, stream) : launch_wide<T, 8>(a, ws, stream);
+    } else {
+      err = p.mt == 256 ? launch_wgmma<T, 256>(a, ws, stream) : launch_wgmma<T, 128>(a, ws, stream);
     }
     if (err != cudaSuccess) return err;
   }

@@ -425,6 +425,31 @@ def test_cuda_matches_reference_every_m(H, I, E, k, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [200, 600])
+def test_cuda_wgmma_experts_edges(M, dtype):
+    # Many rows per expert: the wgmma kernels (nvfp4_wgmma.cuh) with items
+    # of 128 rows at M = 200 (100 per expert) and 256 at M = 600. H = 144
+    # and I = 48: W blocks of 128 rows cut at 16 (down) and 96 (up), K
+    # shorter than one 64-column step. Expert 1 gets most rows (several
+    # items), expert 3 none; the limit clamps.
+    gen = torch.Generator().manual_seed(seed_of("wgmma", M, str(dtype)))
+    E, H, I, k = 4, 144, 48, 2
+    exp = Experts(E, H, I, gen, "cuda")
+    x = random_x(M, H, dtype, gen, "cuda")
+    w, _ = random_routing(M, E, k, gen, "cuda")
+    ids = torch.stack([torch.ones(M, dtype=torch.int32), torch.randint(0, 3, (M,), generator=gen).int() * 2 % 3],
+                      dim=1)
+    ids[:, 1] = torch.where(ids[:, 1] == 1, torch.zeros_like(ids[:, 1]), ids[:, 1])  # experts 0 and 2
+    ids = ids.cuda()
+    for limit in (None, pick_limit(exp, x)):
+        y = exp.run(x, w, ids, limit)
+        assert torch.isfinite(y).all()
+        assert rel_err(y, exp.reference(x, w, ids, limit)) <= LOW_TOL, limit
+        assert torch.equal(exp.run(x, w, ids, limit), y)  # bitwise repeatable
+
+
+@cuda
 @pytest.mark.parametrize("M", [30, 50])
 def test_cuda_narrow_one_warp_four_tiles_per_cta(M):
     # The narrow kernels' form for many (work item, W tile) pairs: one warp
