@@ -153,8 +153,10 @@ struct Tile {
 
 // grid (splits, N / 128 W blocks, token tiles or work items); cluster
 // (splits, 1, 1). K: the reduction length (columns of x). The problem says
-// which tile the CTA computes (Problem::tile, false: nothing to do) and
-// stores it (Problem::store).
+// which tile the CTA computes (Problem::tile; false: nothing to do, which
+// only a problem without K splits may answer, as the whole CTA leaves) and
+// stores it (Problem::store, by the 256 MMA threads, for token rows [r0,
+// r1) of the tile).
 template <typename T, int NT, typename Problem>
 __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap code_map,
@@ -276,12 +278,12 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
     if (splits > 1) sm90::cluster_sync();
   } else {
     // ---- transform warps ------------------------------------------------------
-    // Warp tw decodes W tiles tw and tw + 4 (rows 16 tw .., 16 tw + 64 ..)
-    // of each step: 4 k16
-    // fragments, 8 codes of two rows per lane each, and stores every lane's
-    // 4 consecutive physical columns of a row as one 8-byte word (row r,
-    // column c of a step at (c / 8) * kDecLbo + (r / 8) * 128 + (r % 8) * 16
-    // + (c % 8) * 2). Warp 0 (lane 0) also issues the raw W copies.
+    // Warp tw decodes W tiles tw, tw + kTransformWarps (two at NT = 256, one
+    // at 128) of each step: 4 k16 fragments each, 8 codes of two rows per
+    // lane, and stores every lane's 4 consecutive physical columns of a row
+    // as one 8-byte word (row r, column c of a step at (c / 8) * kDecLbo +
+    // (r / 8) * 128 + (r % 8) * 16 + (c % 8) * 2). Warp 0 (lane 0) also
+    // issues the raw W copies.
     if (NT == 256) sm90::regs_dealloc<88>();
     const int tw = warp - 8, g = lane / 4, t = lane % 4;
     const bool copier = tw == 0 && lane == 0;
