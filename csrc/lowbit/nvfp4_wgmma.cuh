@@ -81,7 +81,7 @@ struct Config {
   static constexpr int kDumpStride = kBN + 4;                    // FP32 token row of the epilogue dump
   static constexpr int kDumpBytes = NT * kDumpStride * 4;
   static_assert(kXOff % 1024 == 0 && kXBytes % 1024 == 0, "swizzled x must be 1024-byte aligned");
-  static_assert(kRawOff % 16 == 0 && kDecBytes % 16 == 0, "bulk copies and core matrices: 16-byte aligned");
+  static_assert(kRawOff % 16 == 0 && kDecBytes % 16 == 0, "tensor copies and core matrices: 16-byte aligned");
   static_assert(kDumpBytes <= kBarOff, "the epilogue dump reuses the pipeline buffers");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
   static_assert(kRawTiles % kTransformWarps == 0, "every transform warp decodes as many tiles");

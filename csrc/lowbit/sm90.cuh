@@ -1,7 +1,6 @@
-// Hopper (sm_90a) building blocks: mbarriers, bulk and tensor copies into
-// shared memory (the TMA engine), cluster barriers and distributed shared
-// memory, and warpgroup MMA (wgmma) with the A operand in registers or in
-// shared memory and B in shared memory.
+// Hopper (sm_90a) building blocks: mbarriers, tensor copies (TMA) into
+// shared memory and L2 prefetches, cluster barriers and distributed shared
+// memory, and warpgroup MMA (wgmma) with both operands in shared memory.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,7 +19,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 }
-// Makes initialized barriers visible to the async proxy (bulk copies).
+// Makes initialized barriers visible to the async proxy (tensor copies).
 __device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
 
 // One arrival that also expects `bytes` of bulk-copy transactions this phase.
@@ -42,15 +41,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global to
-// shared memory; completes as transactions on bar.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
 // A 2-D box of a tensor (tensor map from cuTensorMapEncodeTiled, passed as a
 // __grid_constant__ kernel parameter) into shared memory at column c0, row
 // c1; out-of-range elements arrive as zeros and count toward the bytes.
@@ -64,7 +54,7 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, i
 }
 
 // Orders this thread's ordinary shared-memory writes before later reads of
-// the async proxy (wgmma operands, bulk copies).
+// the async proxy (wgmma operands, tensor copies).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Starts moving bytes (a multiple of 16, 16-byte aligned) from global memory
@@ -162,19 +152,9 @@ __device__ __forceinline__ void fence_operand(float& v) { asm volatile("" : "+f"
   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-// d (64 x 256, FP32) += a (64 x 16, registers: each warp of the warpgroup a
-// 16-row piece in the mma.m16n8k16 A layout) * b (16 x 256, K-major in
-// shared memory). d[4j + 2h + e] is row 16 warp + lane / 4 + 8h, column
-// 8j + 2 (lane % 4) + e.
-#define LOWBIT_WGMMA_M64N256K16(TYPE)                                                                               \
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %133, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE \
-               "." TYPE " " LOWBIT_WGMMA_D128 ", {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}"                   \
-               : LOWBIT_WGMMA_D128_OPERANDS                                                                         \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1))
-
 // d (64 x N, FP32) = (accumulate ? d : 0) + a (64 x 16) * b (16 x N), both
-// K-major in shared memory (descriptors), N = 256 or 128. Same d layout as
-// above.
+// K-major in shared memory (descriptors), N = 256 or 128. d[4j + 2h + e] is
+// row 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + e.
 #define LOWBIT_WGMMA_M64N256K16_SS(TYPE)                                                                          \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE \
                "." TYPE " " LOWBIT_WGMMA_D128 ", %128, %129, p, 1, 1, 0, 0;\n}"                                    \
@@ -203,9 +183,6 @@ __device__ __forceinline__ void fence_operand(float& v) { asm volatile("" : "+f"
 
 template <typename T> struct Wgmma;
 template <> struct Wgmma<__nv_bfloat16> {
-  __device__ __forceinline__ static void m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_M64N256K16("bf16");
-  }
   __device__ __forceinline__ static void m64n256k16_ss(float (&d)[128], uint64_t a_desc, uint64_t b_desc,
                                                        uint32_t accumulate) {
     LOWBIT_WGMMA_M64N256K16_SS("bf16");
@@ -216,9 +193,6 @@ template <> struct Wgmma<__nv_bfloat16> {
   }
 };
 template <> struct Wgmma<__half> {
-  __device__ __forceinline__ static void m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_M64N256K16("f16");
-  }
   __device__ __forceinline__ static void m64n256k16_ss(float (&d)[128], uint64_t a_desc, uint64_t b_desc,
                                                        uint32_t accumulate) {
     LOWBIT_WGMMA_M64N256K16_SS("f16");
@@ -228,7 +202,6 @@ template <> struct Wgmma<__half> {
     LOWBIT_WGMMA_M64N128K16_SS("f16");
   }
 };
-#undef LOWBIT_WGMMA_M64N256K16
 #undef LOWBIT_WGMMA_M64N256K16_SS
 #undef LOWBIT_WGMMA_M64N128K16_SS
 #undef LOWBIT_WGMMA_D64_OPERANDS

@@ -2,9 +2,9 @@
 // launchers in csrc/lowbit/nvfp4_gemm*.cu. gemm::linear_plan picks the
 // kernel from M (narrow mma.sync up to 16 rows, wide mma.sync up to 128,
 // wgmma up to 2048) and the workspace it needs (FP32 split-K partials of the
-// mma.sync kernels), taken from the caching allocator. Otherwise (LinearPath::kUnpack) the weight is
-// unpacked to x's dtype (global scale included) into a temporary and cuBLAS
-// runs through at::linear.
+// mma.sync kernels), taken from the caching allocator. Otherwise
+// (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
+// included) into a temporary and cuBLAS runs through at::linear.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
