@@ -44,7 +44,7 @@ def worker(args) -> None:
             y = lowbit.nvfp4_linear(xs[0], *sets[0][1:4]).float()
             ref = xs[0].float() @ deq.T
             err = ((y - ref).norm() / ref.norm()).item()
-            t = time_calls(lambda i: lowbit.nvfp4_linear(xs[i], *sets[i][1:4]), n_sets)
+            t = time_calls(lambda i: lowbit.nvfp4_linear(xs[i], *sets[i][1:4]), n_sets, use_graph=not args.eager)
             row = {"K": k, "N": n, "M": m, "us": t * 1e6, "err": err}
             if args.bf16:
                 row["bf16_us"] = time_calls(lambda i: F.linear(xs[i], sets[i][0]), n_bf16) * 1e6
@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="time eager launches, not CUDA graphs")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -74,6 +75,8 @@ def main() -> None:
         if path != "default":
             env["LOWBIT_LINEAR_PATH"] = path
         cmd = [sys.executable, __file__, "--worker", "--shapes", args.shapes, "--ms", args.ms]
+        if args.eager:
+            cmd.append("--eager")
         if i == 0:
             cmd.append("--bf16")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

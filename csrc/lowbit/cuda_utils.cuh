@@ -111,6 +111,8 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, s
 
 // Streaming multiprocessors of the current device, cached per device.
 int num_sms();
+// Shared memory per SM of the current device (bytes), cached per device.
+int smem_per_sm();
 
 LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

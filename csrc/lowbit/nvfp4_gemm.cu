@@ -114,15 +114,37 @@ __global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t
   cuda::store4(out + (row + 8) * k + col, v_hi);
 }
 
-// ---- small M: the narrow kernel ---------------------------------------------
+// ---- small M: the stream and narrow kernels -----------------------------------
 // grid: (ceil(M / (8 MT)), N / 16, splits), W warps per CTA sharing one
-// 16-row W tile (K split between them, nvfp4_mma.cuh warp_mainloop). Output
-// tile: 16 rows of W x 8 MT rows of x. Launched as a programmatic dependent
-// launch: the CTA's first W tiles are prefetched into L2 while the previous
-// kernel (which may write x) finishes.
+// 16-row W tile (K split between them). Output tile: 16 rows of W x 8 MT
+// rows of x. The stream kernel (M <= 8) runs nvfp4_mma.cuh stream_mainloop
+// (a cp.async ring per warp in shared memory, 32 warps per SM), the narrow
+// one warp_mainloop (register stages, 16 warps per SM). Both are launched as
+// programmatic dependents: the CTA's first W tiles are prefetched into L2
+// while the previous kernel (which may write x) finishes.
+
+// The warps' sums of the CTA's output tile, added in a fixed order, then
+// written (finish_output). Ends the kernel.
+template <typename T, int MT, int W>
+__device__ __forceinline__ void narrow_finish(const float (&acc)[MT][4], int64_t m0, int64_t nt, int64_t m, int64_t n,
+                                              const float* global_scale, const T* bias, T* out, float* workspace) {
+  __shared__ mma::CtaPartials<MT, W> partial;
+  partial.store(acc, threadIdx.x / 32, threadIdx.x % 32);
+  __syncthreads();
+  for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
+    const int r = e % 16, mc = e / 16;  // r: row of the W tile, mc: row of x in the CTA
+    const int64_t row = m0 + mc, o = nt * 16 + r;
+    if (row >= m) continue;
+    finish_output(partial.sum(r, mc), row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
+                  workspace);
+  }
+}
 
 // CTAs per SM: 16 warps in all (the register budget of kMinBlocks 8-warp CTAs).
 template <int MT, int W> constexpr int kNarrowCtasPerSm = mma::kMinBlocks<MT> * mma::kWarps / W;
+// Stream kernel: 32 warps per SM (64 registers), as shared memory allows.
+constexpr int kStreamWarpsPerSm = 32;
+static_assert(kStreamMaxM <= mma::kStreamMaxRows, "the stream main loop takes at most 8 rows of x");
 
 template <typename T, int MT, int W>
 __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow_kernel(
@@ -150,17 +172,36 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
   }
   float acc[MT][4];
   mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, k, kc_begin, kc_end, warp, lane);
+  narrow_finish<T, MT, W>(acc, m0, nt, m, n, global_scale, bias, out, workspace);
+}
 
-  __shared__ mma::CtaPartials<MT, W> partial;
-  partial.store(acc, warp, lane);
-  __syncthreads();
-  for (int e = threadIdx.x; e < 16 * 8 * MT; e += 32 * W) {
-    const int r = e % 16, mc = e / 16;  // r: row of the W tile, mc: row of x in the CTA
-    const int64_t row = m0 + mc, o = nt * 16 + r;
-    if (row >= m) continue;
-    finish_output(partial.sum(r, mc), row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
-                  workspace);
-  }
+// M <= 8; dynamic shared memory: W * stream_warp_bytes(M).
+template <typename T, int W>
+__global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
+    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  cuda::allow_dependent_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nt = blockIdx.y;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  const int64_t kc_begin = int64_t(blockIdx.z) * tiles_per_split;
+  const int64_t kc_end = min(tiles_k, kc_begin + tiles_per_split);
+  const uint4* wbase = mma::tile_row_codes(weight, nt, tiles_k);
+  const uint4* sbase = mma::tile_row_scales(scale, nt, tiles_k);
+  if (threadIdx.x == 0)  // the tiles of every warp's first ring slots
+    mma::prefetch_ktiles_l2(wbase, sbase, kc_begin, min(kc_end, kc_begin + (mma::kStreamStages - 1) * W));
+  cuda::wait_for_previous_grid();
+
+  const int rows = static_cast<int>(m);
+  const T* xsrc[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
+  extern __shared__ uint4 stream_ring[];
+  float acc[1][4];
+  mma::stream_mainloop<T, W>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc, wbase, sbase,
+                             k, kc_begin, kc_end, warp, lane);
+  narrow_finish<T, 1, W>(acc, 0, nt, m, n, global_scale, bias, out, workspace);
 }
 
 // ---- medium M: the wide kernel ----------------------------------------------
@@ -260,6 +301,32 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
+template <typename T, int W>
+cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  const int64_t tiles_k = padded_k(a.k) / kTileK;
+  const int smem = W * mma::stream_warp_bytes(static_cast<int>(a.m));
+  cudaError_t err = cudaFuncSetAttribute(linear_stream_kernel<T, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
+  err = cuda::launch_dependent(linear_stream_kernel<T, W>, grid, dim3(32 * W), smem, stream,
+                               static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale,
+                               static_cast<const T*>(a.bias), static_cast<T*>(a.out),
+                               static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
+  if (err != cudaSuccess || p.splits == 1) return err;
+  return launch_split_reduce<T>(a, p.splits, stream);
+}
+
+template <typename T>
+cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  switch (p.warps) {
+    case 1: return launch_stream<T, 1>(a, p, stream);
+    case 2: return launch_stream<T, 2>(a, p, stream);
+    case 4: return launch_stream<T, 4>(a, p, stream);
+    case 8: return launch_stream<T, 8>(a, p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T, int MT>
 cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   switch (p.warps) {
@@ -274,6 +341,8 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
 template <typename T>
 cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   switch (p.path) {
+    case LinearPath::kStream:
+      return launch_stream<T>(a, p, stream);
     case LinearPath::kNarrow:
       return p.mt == 1 ? launch_narrow<T, 1>(a, p, stream) : launch_narrow<T, 2>(a, p, stream);
     case LinearPath::kWide:
@@ -333,6 +402,22 @@ int one_wave_warps_per_tile(int64_t tiles) {
   return 0;
 }
 
+int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows) {
+  static const int forced = [] {
+    const char* v = std::getenv("LOWBIT_STREAM_WARPS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+  const int64_t sms = cuda::num_sms(), smem_per_sm = cuda::smem_per_sm();
+  for (int w : {8, 4, 2}) {
+    // A CTA: its rings, its partial sums, and the 1 KB the system reserves.
+    const int64_t cta_bytes = w * (mma::stream_warp_bytes(rows) + 512) + 1024;
+    const int64_t warps_per_wave = std::min<int64_t>(kStreamWarpsPerSm / w, smem_per_sm / cta_bytes) * w * sms;
+    if (tiles_k >= 4 * w && tiles * w <= 3 * warps_per_wave) return w;
+  }
+  return 1;
+}
+
 namespace {
 // LOWBIT_LINEAR_PATH (nvfp4_gemm.h): the forced path, or -1.
 int forced_path() {
@@ -340,6 +425,7 @@ int forced_path() {
     const char* v = std::getenv("LOWBIT_LINEAR_PATH");
     if (!v) return -1;
     const std::string s(v);
+    if (s == "stream") return static_cast<int>(LinearPath::kStream);
     if (s == "narrow") return static_cast<int>(LinearPath::kNarrow);
     if (s == "wide") return static_cast<int>(LinearPath::kWide);
     if (s == "wgmma") return static_cast<int>(LinearPath::kWgmma);
@@ -358,13 +444,27 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // when its unsplit CTAs fill 40% of the SMs: there the narrow kernel's x
   // loads (16 rows, read again for every W tile) cost more than the W loads.
   const bool wide_small_m = m > 8 && 10 * cuda::ceil_div(ntiles, 8) >= 4 * sms;
-  LinearPath path = m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
-                    : m <= kWideMaxM                  ? LinearPath::kWide
-                    : m <= kWgmmaMaxM                 ? LinearPath::kWgmma
-                                                      : LinearPath::kUnpack;
+  // The stream kernel (twice the warps per SM) for 5..8 rows, where the
+  // narrow kernel's x fragments cost it most, and for fewer rows when the
+  // narrow kernel needs several waves (no one-wave shape, more than 4 W
+  // tiles per SM); measured in docs/PERF.md, Linear v9.
+  const bool stream = m <= kStreamMaxM && (m > 4 || (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
+  LinearPath path = stream                              ? LinearPath::kStream
+                    : m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
+                    : m <= kWideMaxM                    ? LinearPath::kWide
+                    : m <= kWgmmaMaxM                   ? LinearPath::kWgmma
+                                                        : LinearPath::kUnpack;
   if (forced_path() >= 0) path = static_cast<LinearPath>(forced_path());
   p.path = path;
-  if (path == LinearPath::kNarrow) {
+  if (path == LinearPath::kStream && m > kStreamMaxM) p.path = path = LinearPath::kNarrow;
+  if (path == LinearPath::kStream) {
+    // K split as the narrow kernel's when the tiles are fewer than the SMs.
+    p.mt = 1;
+    p.warps = stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
+    const int64_t splits =
+        ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
+    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
+  } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)
     // that give every SM 10 to 16 warps in one wave; otherwise 8, with K

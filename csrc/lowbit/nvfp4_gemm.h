@@ -52,6 +52,11 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 
 // How the fused GEMM runs a problem, chosen on the host from the shape and
 // the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):
+//   M <= kStreamMaxM  stream kernel: 1-8 warps per 16-row W tile, each
+//                     streaming its k-tiles (W and x) through a cp.async
+//                     ring in shared memory; split-K as the narrow kernel
+//                     (M <= 4: only where the narrow kernel needs several
+//                     waves)
 //   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
 //                     when the W tiles alone do not fill the SMs (M 9..16
 //                     with many W tiles: the wide kernel)
@@ -64,17 +69,19 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     in the binding): above 2048 rows the unpack costs less
 //                     than the wgmma kernel's distance to cuBLAS
 //                     (docs/PERF.md, Linear v8)
-// LOWBIT_LINEAR_PATH=narrow|wide|wgmma|unpack in the environment (read once)
+// LOWBIT_LINEAR_PATH=stream|narrow|wide|wgmma|unpack in the environment (read once)
 // forces a path for every M, for benchmarks.
+constexpr int64_t kStreamMaxM = 8;
 constexpr int64_t kNarrowMaxM = 16;
 constexpr int64_t kWideMaxM = 128;
 constexpr int64_t kWgmmaMaxM = 2048;
-enum class LinearPath { kNarrow, kWide, kWgmma, kUnpack };
+enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack };
 struct LinearPlan {
   LinearPath path;
   int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
-  int warps;                 // narrow: warps per CTA, all on one 16-row W tile
-  int64_t splits;            // K splits (narrow / wide: FP32 partials added in split order; wgmma: cluster size)
+  int warps;                 // stream / narrow: warps per CTA, all on one 16-row W tile
+  int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
+                             // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
@@ -82,6 +89,12 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // one tile): the fewest of 1, 2, 4 that give every SM 10 to 16 warps in one
 // wave, or 0 if none does (docs/PERF.md, Linear v7). The MoE uses it too.
 int one_wave_warps_per_tile(int64_t tiles);
+// Warps per W tile for streaming warps (nvfp4_mma.cuh stream_mainloop) on
+// `tiles` W tiles of tiles_k k-tiles and `rows` rows of x: the most of 8, 4,
+// 2 that leave every warp 4 k-tiles or more and fit in 3 waves (registers
+// and shared memory), else 1 (docs/PERF.md, Linear v9). The MoE uses it too.
+// LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
+int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

@@ -347,4 +347,113 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
   }
 }
 
+
+// ---- streaming warps (at most 8 rows of x) -----------------------------------
+// The narrow kernels' main loop for 1-8 rows of x: each warp streams its
+// k-tiles (codes, scales and the x rows of the same 128 columns) through a
+// ring of kStreamStages slots of its own in shared memory, filled with
+// cp.async. Nothing waits in registers, so a warp needs ~60 registers
+// instead of ~120 and an SM holds twice the warps, and the copies carry no
+// register dependences (docs/PERF.md, Linear v9). x rows are copied in
+// pairs (lanes 0-15 and 16-31), a slot holding an even number of them, each
+// padded to 288 bytes so the 8-byte fragment reads of a half-warp (4 rows)
+// hit distinct banks.
+constexpr int kStreamStages = 3;
+constexpr int kStreamMaxRows = 8;
+constexpr int kStreamRowBytes = (kTileK + 16) * 2;  // a padded x row of a k-tile
+LOWBIT_HD constexpr int stream_stage_bytes(int rows) {
+  return kTileBytes + kTileScaleBytes + (rows + 1) / 2 * 2 * kStreamRowBytes;
+}
+// Shared memory of one streaming warp's ring for `rows` rows of x.
+LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
+
+// 16 bytes (the first src_bytes of them from gmem, the rest zeros) to the
+// shared-memory address saddr; .cg bypasses L1, .ca goes through it.
+__device__ __forceinline__ void cp_async16_cg(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16_ca(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+
+// kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
+// fewer pointers to carry when the caller knows x is short).
+// xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16)
+// (a valid row where that row is past `rows`: zeros are copied instead).
+// ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
+// Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (16 W rows
+// x 8 rows of x, mma C layout; rows past `rows` repeat the last one).
+// Columns >= k are copied as zeros (the weight's padding codes are zero, and
+// 0 * stale data could be NaN). W bypasses L1 (read once); x goes through it
+// (every warp of the SM reads the same columns of x). Every address a copy
+// needs is kept running (one add per k-tile), so a k-tile costs the decode
+// and the mma and little else.
+template <typename T, int kW, int kPairs = kStreamMaxRows / 2>
+__device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring, int rows,
+                                                const T* const (&xsrc)[kPairs],
+                                                const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
+                                                int64_t k, int64_t kc_begin, int64_t kc_end, int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
+  const int pairs = (rows + 1) / 2;  // warp-uniform
+  const uint32_t stage_bytes = stream_stage_bytes(rows);
+  const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t dst_x = kTileBytes + kTileScaleBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16;
+  // The copy sources of k-tile kc_issue, advanced by kW k-tiles per issue.
+  int64_t kc_issue = kc_begin + warp;
+  const char* wsrc = reinterpret_cast<const char*>(wtiles + kc_issue * (kTileBytes / 16) + lane);
+  const char* ssrc = reinterpret_cast<const char*>(stiles + kc_issue * (kTileScaleBytes / 16) + lane % 8);
+  const T* xp[kPairs];
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) xp[j] = xsrc[j] + kc_issue * kTileK;
+  int64_t col = kc_issue * kTileK + (lane % 16) * 8;  // this lane's first x column at kc_issue
+  uint32_t slot_issue = 0;
+  // One commit group per k-tile (empty past the end), so wait_group counts
+  // stay uniform.
+  auto issue = [&]() {
+    if (kc_issue < kc_end) {
+      const uint32_t st = ring0 + slot_issue * stage_bytes;
+      cp_async16_cg(st + lane * 16, wsrc, 16);
+      cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
+      if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
+      const uint32_t bytes = col < k ? 16 : 0;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j)
+        if (j < pairs) cp_async16_ca(st + dst_x + j * 2 * kStreamRowBytes, xp[j], lane / 16 + 2 * j < rows ? bytes : 0);
+    }
+    cp_async_commit();
+    kc_issue += kW;
+    wsrc += kW * kTileBytes;
+    ssrc += kW * kTileScaleBytes;
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) xp[j] += kW * kTileK;
+    col += kW * kTileK;
+    slot_issue = slot_issue + 1 == kStreamStages ? 0 : slot_issue + 1;
+  };
+#pragma unroll
+  for (int i = 0; i < kStreamStages - 1; ++i) issue();
+  const int g = lane / 4, t = lane % 4;
+  const int xoff = kTileBytes + kTileScaleBytes + min(g, rows - 1) * kStreamRowBytes + t * 8;  // bytes into a slot
+  int slot = 0;
+  for (int64_t kc = kc_begin + warp; kc < kc_end; kc += kW) {
+    // Refill the slot the previous iteration read (every lane is past it:
+    // the __syncwarp below ordered its reads before this point).
+    issue();
+    cp_async_wait<kStreamStages - 1>();  // this lane's copies of k-tile kc have landed
+    __syncwarp();                        // and every lane's
+    const char* st = reinterpret_cast<const char*>(ring) + slot * stage_bytes;
+    const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
+    const uint4 sc = reinterpret_cast<const uint4*>(st + kTileBytes)[lane / 4];
+    uint2 xv[8];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) xv[kt] = *reinterpret_cast<const uint2*>(st + xoff + kt * 32);
+    __syncwarp();
+    const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
+    mma_tile<T, 1>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+    slot = slot + 1 == kStreamStages ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
+}
+
 }  // namespace lowbit::nvfp4::gemm::mma

@@ -309,11 +309,13 @@ def test_cuda_wgmma_edges(dtype, n, k, ms):
 
 
 @cuda
-@pytest.mark.parametrize("n", [16 * 1400, 16 * 700, 16 * 350])
-def test_cuda_narrow_warps_per_tile(n):
-    # On a 132-SM H100 these N put 1, 2 and 4 warps on each W tile of the
-    # narrow kernel (M <= 8; gemm::linear_plan), and M 9..16 on the wide
-    # kernel for the first two. K = 1168: 9 full k-tiles and a partial one.
+@pytest.mark.parametrize("n", [16 * 1400, 16 * 1152, 16 * 700, 16 * 350])
+def test_cuda_small_m_kernel_shapes(n):
+    # On a 132-SM H100 (gemm::linear_plan): at M <= 4 these N put 1, 2 and 4
+    # warps on each W tile of the narrow kernel, but 1152 tiles (no one-wave
+    # shape) go to the stream kernel, as M 5..8 always do; M 9..16 run the
+    # wide kernel for the first three. K = 1168: 9 full k-tiles and a
+    # partial one.
     k = 1168
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
