@@ -33,6 +33,9 @@
 // kernel start only after its own wait for the align kernel, so the down
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
+#include <cstdlib>
+#include <string>
+
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
@@ -196,21 +199,31 @@ __device__ __forceinline__ bool two_m_tiles(const Item& it) { return it.rows > 8
 // CTAs per SM: 16 warps in all (the register budget of the main loop).
 template <int W, int TP> constexpr int kNarrowCtasPerSm = gemm::mma::kWarps * 2 / (W * TP);
 
-// Shared memory of the warps' partial sums, sized for the 2-m-tile form and
-// viewed as the item's form.
-template <int W, int TP>
+// Shared memory of the warps' partial sums, sized for the largest form
+// (kMaxMT m-tiles) and viewed as the item's form.
+template <int W, int TP, int kMaxMT>
 struct NarrowSmem {
-  gemm::mma::CtaPartials<2, W> storage[TP];
+  gemm::mma::CtaPartials<kMaxMT, W> storage[TP];
   template <int MT>
   __device__ __forceinline__ gemm::mma::CtaPartials<MT, W> (&as())[TP] {
-    static_assert(sizeof(gemm::mma::CtaPartials<MT, W>) <= sizeof(gemm::mma::CtaPartials<2, W>));
+    static_assert(MT <= kMaxMT);
     return *reinterpret_cast<gemm::mma::CtaPartials<MT, W>(*)[TP]>(storage);
   }
 };
 
+// Streaming form (one token, so every item is one row; launch_narrow): the
+// warps run nvfp4_mma.cuh stream_mainloop, each with a ring of
+// stream_warp_bytes(kStreamRows) bytes of dynamic shared memory, 32 warps
+// per SM.
+constexpr int kStreamRows = 1;
+constexpr int kStreamWarpsPerSm = 32;
+template <int W, int TP, bool kStream>
+constexpr int kNarrowMinCtas = kStream ? kStreamWarpsPerSm / (W * TP) : kNarrowCtasPerSm<W, TP>;
+
 // The item's sums over K for the CTA's W tiles (ntiles per expert, tile
-// TP blockIdx.x + i into partial[i]); returns after the barrier.
-template <typename T, int MT, int W, int TP, bool kGather>
+// TP blockIdx.x + i into partial[i]); returns after the barrier. kStream:
+// stream_mainloop (MT = 1, items of kStreamRows rows).
+template <typename T, int MT, int W, int TP, bool kGather, bool kStream>
 __device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (&partial)[TP], const Item& it,
                                                  const T* xbase, const int32_t* sorted_token, int64_t k,
                                                  const uint8_t* w, const uint8_t* s, int64_t ntiles) {
@@ -219,30 +232,38 @@ __device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (
   if (nt < ntiles) {
     const int64_t tiles_k = padded_k(k) / kTileK;
     const int64_t tile_row = int64_t(it.expert) * ntiles + nt;
-    const T* xrow[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
-      xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
-    }
+    const uint4* wtiles = gemm::mma::tile_row_codes(w, tile_row, tiles_k);
+    const uint4* stiles = gemm::mma::tile_row_scales(s, tile_row, tiles_k);
     float acc[MT][4];
-    gemm::mma::warp_mainloop<T, MT, W>(acc, gemm::mma::tile_row_codes(w, tile_row, tiles_k),
-                                       gemm::mma::tile_row_scales(s, tile_row, tiles_k), xrow, k, 0, tiles_k, warp,
-                                       lane);
+    if constexpr (kStream) {
+      static_assert(MT == 1 && kStreamRows <= 2, "one x row pair per streaming warp");
+      const T* xsrc[1] = {item_row<kGather>(xbase, sorted_token, it, min(lane / 16, it.rows - 1), k) + (lane % 16) * 8};
+      extern __shared__ uint4 stream_ring[];
+      uint4* ring = stream_ring + (threadIdx.x / 32) * (gemm::mma::stream_warp_bytes(kStreamRows) / 16);
+      gemm::mma::stream_mainloop<T, W, 1>(acc, ring, it.rows, xsrc, wtiles, stiles, k, 0, tiles_k, warp, lane);
+    } else {
+      const T* xrow[MT];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r = min(mt * 8 + lane / 4, it.rows - 1);  // rows past the item: computed, never stored
+        xrow[mt] = item_row<kGather>(xbase, sorted_token, it, r, k) + (lane % 4) * 4;
+      }
+      gemm::mma::warp_mainloop<T, MT, W>(acc, wtiles, stiles, xrow, k, 0, tiles_k, warp, lane);
+    }
     partial[sub].store(acc, warp, lane);
   }
   __syncthreads();
 }
 
 // Up projection + SwiGLU of one item of at most 8 MT rows.
-template <typename T, int MT, int W, int TP>
-__device__ __forceinline__ void up_item(NarrowSmem<W, TP>& smem, const Item& it, const T* __restrict__ x,
+template <typename T, int MT, int W, int TP, bool kStream, typename Smem>
+__device__ __forceinline__ void up_item(Smem& smem, const Item& it, const T* __restrict__ x,
                                         const int32_t* __restrict__ sorted_token, const uint8_t* __restrict__ w13,
                                         const uint8_t* __restrict__ s13, const float* __restrict__ g13,
                                         T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   const int64_t ntiles = 2 * inter / 16;
   auto& partial = smem.template as<MT>();
-  narrow_tile_sums<T, MT, W, TP, true>(partial, it, x, sorted_token, h, w13, s13, ntiles);
+  narrow_tile_sums<T, MT, W, TP, true, kStream>(partial, it, x, sorted_token, h, w13, s13, ntiles);
   const float gs = __ldg(g13 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < TP * 8 * 8 * MT; e += 32 * W * TP) {
     const int c = e % 8, mc = e / 8 % (8 * MT), sub = e / (64 * MT);
@@ -254,9 +275,10 @@ __device__ __forceinline__ void up_item(NarrowSmem<W, TP>& smem, const Item& it,
   }
 }
 
-// grid: (2I / (16 TP), work items upper bound).
-template <typename T, int W, int TP>
-__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_kernel(
+// grid: (2I / (16 TP), work items upper bound); kStream: dynamic shared
+// memory W TP stream_warp_bytes(kStreamRows), one token.
+template <typename T, int W, int TP, bool kStream>
+__global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>)) moe_up_kernel(
     const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
     const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
     T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
@@ -266,22 +288,24 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_up_k
   cuda::allow_dependent_launch();
   Item it;
   if (!work.fetch(it)) return;
-  __shared__ NarrowSmem<W, TP> smem;
-  if (two_m_tiles(it))
-    up_item<T, 2>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+  __shared__ NarrowSmem<W, TP, kStream ? 1 : 2> smem;
+  if constexpr (kStream)
+    up_item<T, 1, W, TP, true>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+  else if (two_m_tiles(it))
+    up_item<T, 2, W, TP, false>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
   else
-    up_item<T, 1>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+    up_item<T, 1, W, TP, false>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
 }
 
 // Down projection of one item of at most 8 MT rows.
-template <typename T, int MT, int W, int TP>
-__device__ __forceinline__ void down_item(NarrowSmem<W, TP>& smem, const Item& it, const T* __restrict__ act,
+template <typename T, int MT, int W, int TP, bool kStream, typename Smem>
+__device__ __forceinline__ void down_item(Smem& smem, const Item& it, const T* __restrict__ act,
                                           const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
                                           const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h,
                                           int64_t inter) {
   const int64_t ntiles = h / 16;
   auto& partial = smem.template as<MT>();
-  narrow_tile_sums<T, MT, W, TP, false>(partial, it, act, nullptr, inter, w2, s2, ntiles);
+  narrow_tile_sums<T, MT, W, TP, false, kStream>(partial, it, act, nullptr, inter, w2, s2, ntiles);
   const float gs = __ldg(g2 + it.expert) * kDecodeUnscale;
   for (int e = threadIdx.x; e < TP * 16 * 8 * MT; e += 32 * W * TP) {
     const int r = e % 16, mc = e / 16 % (8 * MT), sub = e / (128 * MT);
@@ -291,9 +315,9 @@ __device__ __forceinline__ void down_item(NarrowSmem<W, TP>& smem, const Item& i
   }
 }
 
-// grid: (H / (16 TP), work items upper bound).
-template <typename T, int W, int TP>
-__global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down_kernel(
+// grid: (H / (16 TP), work items upper bound); kStream as the up kernel.
+template <typename T, int W, int TP, bool kStream>
+__global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>)) moe_down_kernel(
     const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
     const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
   cuda::allow_dependent_launch();
@@ -308,7 +332,9 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down
   if (threadIdx.x % (32 * W) == 0 && work.fetch(it)) {
     const int64_t expert = min(max(it.expert, 0), work.experts - 1);
     const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
-    const int stages = two_m_tiles(it) ? gemm::mma::kStages<2> : gemm::mma::kStages<1>;
+    const int stages = kStream           ? gemm::mma::kStreamStages - 1
+                       : two_m_tiles(it) ? gemm::mma::kStages<2>
+                                         : gemm::mma::kStages<1>;
     const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
     if (nt < ntiles)
       gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
@@ -317,11 +343,13 @@ __global__ void __launch_bounds__(32 * W * TP, kNarrowCtasPerSm<W, TP>) moe_down
   }
   cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (!work.fetch(it)) return;
-  __shared__ NarrowSmem<W, TP> smem;
-  if (two_m_tiles(it))
-    down_item<T, 2>(smem, it, act, w2, s2, g2, expert_out, h, inter);
+  __shared__ NarrowSmem<W, TP, kStream ? 1 : 2> smem;
+  if constexpr (kStream)
+    down_item<T, 1, W, TP, true>(smem, it, act, w2, s2, g2, expert_out, h, inter);
+  else if (two_m_tiles(it))
+    down_item<T, 2, W, TP, false>(smem, it, act, w2, s2, g2, expert_out, h, inter);
   else
-    down_item<T, 1>(smem, it, act, w2, s2, g2, expert_out, h, inter);
+    down_item<T, 1, W, TP, false>(smem, it, act, w2, s2, g2, expert_out, h, inter);
 }
 
 // ---- wide kernels (nvfp4_mma.cuh, wide_mainloop) ----------------------------
@@ -611,6 +639,16 @@ Workspace carve(const MoeArgs& a, char* base) {
   return w;
 }
 
+// LOWBIT_MOE_STREAM=0 in the environment (read once) keeps the register-
+// staged narrow kernels for one token, for benchmarks.
+bool stream_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("LOWBIT_MOE_STREAM");
+    return !(v && std::string(v) == "0");
+  }();
+  return enabled;
+}
+
 // Shape of a narrow kernel of `tiles` (work item, W tile) pairs (an upper
 // bound: work items x W tiles per expert). As in the Linear (docs/PERF.md,
 // Linear v7): the fewest warps per W tile that give every SM 10 to 16 warps
@@ -629,32 +667,56 @@ NarrowShape narrow_shape(int64_t tiles) {
   return tiles <= 8 * wave ? NarrowShape{2, 1} : NarrowShape{1, 4};
 }
 
-// One narrow GEMM launch (kUp: W13 + SwiGLU, else W2) of shape <W, TP>.
-template <bool kUp, typename T, int W, int TP>
+// One narrow GEMM launch (kUp: W13 + SwiGLU, else W2) of shape <W, TP>;
+// kStream: streaming warps (one token).
+template <bool kUp, typename T, int W, int TP, bool kStream>
 cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   const dim3 block(32 * W * TP);
+  const int smem = kStream ? W * TP * gemm::mma::stream_warp_bytes(kStreamRows) : 0;
   if constexpr (kUp) {
+    auto* kernel = moe_up_kernel<T, W, TP, kStream>;
+    if (kStream) {
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+    }
     const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
-    return cuda::launch_dependent(moe_up_kernel<T, W, TP>, grid, block, 0, stream, static_cast<const T*>(a.x),
-                                  ws.sorted_token, ws.work, a.w13, a.w13_scale, a.w13_global,
-                                  static_cast<T*>(ws.act), a.h, a.inter, a.has_limit, a.swiglu_limit);
+    return cuda::launch_dependent(kernel, grid, block, smem, stream, static_cast<const T*>(a.x), ws.sorted_token,
+                                  ws.work, a.w13, a.w13_scale, a.w13_global, static_cast<T*>(ws.act), a.h, a.inter,
+                                  a.has_limit, a.swiglu_limit);
   } else {
+    auto* kernel = moe_down_kernel<T, W, TP, kStream>;
+    if (kStream) {
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+    }
     const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
-    return cuda::launch_dependent(moe_down_kernel<T, W, TP>, grid, block, 0, stream,
-                                  static_cast<const T*>(ws.act), ws.work, a.w2, a.w2_scale, a.w2_global,
-                                  static_cast<T*>(ws.expert_out), a.h, a.inter);
+    return cuda::launch_dependent(kernel, grid, block, smem, stream, static_cast<const T*>(ws.act), ws.work, a.w2,
+                                  a.w2_scale, a.w2_global, static_cast<T*>(ws.expert_out), a.h, a.inter);
   }
 }
-// The same with the shape narrow_shape picks for `tiles` (item, W tile) pairs.
+// The same with the shape narrow_shape picks for `tiles` (item, W tile)
+// pairs; for one token, streaming warps (stream_warps_per_tile of them per W
+// tile). At M = 4 and 8 they measured 3-4% slower than the register stages
+// (docs/PERF.md, MoE v10): the ring is sized for M rows, the items mostly
+// hold one.
 template <bool kUp, typename T>
 cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  if (a.m == kStreamRows && stream_enabled()) {
+    const int64_t k = kUp ? a.h : a.inter;
+    switch (gemm::stream_warps_per_tile(tiles, padded_k(k) / kTileK, kStreamRows)) {
+      case 1: return launch_narrow<kUp, T, 1, 1, true>(a, ws, stream);
+      case 2: return launch_narrow<kUp, T, 2, 1, true>(a, ws, stream);
+      case 4: return launch_narrow<kUp, T, 4, 1, true>(a, ws, stream);
+      default: return launch_narrow<kUp, T, 8, 1, true>(a, ws, stream);
+    }
+  }
   const NarrowShape shape = narrow_shape(tiles);
-  if (shape.tiles_per_cta == 4) return launch_narrow<kUp, T, 1, 4>(a, ws, stream);
+  if (shape.tiles_per_cta == 4) return launch_narrow<kUp, T, 1, 4, false>(a, ws, stream);
   switch (shape.warps) {
-    case 1: return launch_narrow<kUp, T, 1, 1>(a, ws, stream);
-    case 2: return launch_narrow<kUp, T, 2, 1>(a, ws, stream);
-    case 4: return launch_narrow<kUp, T, 4, 1>(a, ws, stream);
-    default: return launch_narrow<kUp, T, 8, 1>(a, ws, stream);
+    case 1: return launch_narrow<kUp, T, 1, 1, false>(a, ws, stream);
+    case 2: return launch_narrow<kUp, T, 2, 1, false>(a, ws, stream);
+    case 4: return launch_narrow<kUp, T, 4, 1, false>(a, ws, stream);
+    default: return launch_narrow<kUp, T, 8, 1, false>(a, ws, stream);
   }
 }
 
