@@ -6,8 +6,11 @@ which time like real ones; each variant runs in its own process with
 the given environment. Same routing and timing as the benchmark (routing_set:
 k routed experts + the shared expert; CUDA graphs, rotating input sets).
 
-  python scripts/probe_moe.py --variants "base:LOWBIT_MOE_WGMMA_MIN_ROWS=100000,wgmma:" \
-      --layers flash,v3 --ms 1024,4096 --routings uniform,skewed
+  python scripts/probe_moe.py --variants "stream:,regs:LOWBIT_MOE_STREAM=0" \
+      --layers flash,v3 --ms 1 --routings uniform,skewed
+
+A variant is name:ENV=VALUE;ENV2=VALUE2 (the kernels read their knobs once
+per process: LOWBIT_MOE_STREAM, LOWBIT_STREAM_WARPS).
 """
 
 from __future__ import annotations
