@@ -1,14 +1,16 @@
 // CUDA kernels of the NVFP4 Linear: prepack, unpack (dequantize the prepacked
 // weight, used by the largest-M path: unpack + cuBLAS in the binding), the
-// two mma.sync GEMMs below and linear_plan, which also picks the wgmma
+// three mma.sync GEMMs below and linear_plan, which also picks the wgmma
 // kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
 //
-// Narrow (M <= 16): one CTA of 1, 2, 4 or 8 warps per 16-row tile of W (and
-// per split of K), built from the register-pipelined decode + mma main loop
-// of nvfp4_mma.cuh; the weight is read once, in 1 KB coalesced pieces, by
-// all SMs at once. The warps' partial sums are added in a fixed order in
-// shared memory. Launched as a programmatic dependent: its first W tiles go
-// to L2 while the previous kernel finishes.
+// Stream (M <= 8) and narrow (M <= 16): one CTA of 1, 2, 4 or 8 warps per
+// 16-row tile of W (and per split of K); the weight is read once, in 1 KB
+// coalesced pieces, by all SMs at once. The stream kernel's warps feed
+// their k-tiles through cp.async rings in shared memory (stream_mainloop,
+// 32 warps per SM), the narrow kernel's through register stages
+// (warp_mainloop, 16 warps per SM). The warps' partial sums are added in a
+// fixed order in shared memory. Launched as programmatic dependents: their
+// first W tiles go to L2 while the previous kernel finishes.
 // Wide (M <= 128, and 9..16 with many W tiles): 8 warps on 128 rows of W
 // sharing 16, 32 or 64 rows of x staged in shared memory (wide_mainloop), K
 // split to fill the SMs.

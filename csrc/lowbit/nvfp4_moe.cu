@@ -12,7 +12,8 @@
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
 //      The narrow form (few rows per expert) runs 1-8 warps per W tile and
 //      1 or 4 tiles per CTA (narrow_shape), one or two 8-row m-tiles as
-//      the item needs; with more rows per expert (plan()) the wide form
+//      the item needs (one token: streaming warps, stream_mainloop, as the
+//      Linear's stream kernel); with more rows per expert (plan()) the wide form
 //      takes 128 W rows per CTA with x staged in shared memory; with many,
 //      the wgmma form (nvfp4_wgmma.cuh: W decoded into shared memory by
 //      warps of its own, wgmma) takes 128 W rows x NT rows per CTA, after a
