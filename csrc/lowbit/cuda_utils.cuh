@@ -114,6 +114,16 @@ int num_sms();
 // Shared memory per SM of the current device (bytes), cached per device.
 int smem_per_sm();
 
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory on the
+// current device. The attribute belongs to the function on a device; it is
+// set the first time (or when a launch needs more than was set), so a
+// launch path pays a table lookup, not a driver call.
+cudaError_t allow_dynamic_smem(const void* kernel, int bytes);
+template <typename... Params>
+cudaError_t allow_dynamic_smem(void (*kernel)(Params...), int bytes) {
+  return allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
+}
+
 LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace lowbit::cuda

@@ -142,6 +142,30 @@ __device__ __forceinline__ void narrow_finish(const float (&acc)[MT][4], int64_t
   }
 }
 
+// The CTA's W tile row (grid y) and K split (grid z): its k-tiles and where
+// their codes and scales start. Lets the next kernel launch, has thread 0
+// start moving the first `ahead` k-tiles (the warps' first stages) into L2,
+// then waits for the previous kernel, which may write x.
+struct SplitRun {
+  int64_t nt, kc_begin, kc_end;
+  const uint4* codes;
+  const uint4* scales;
+};
+__device__ __forceinline__ SplitRun begin_split_run(const uint8_t* weight, const uint8_t* scale, int64_t k,
+                                                    int64_t tiles_per_split, int64_t ahead) {
+  cuda::allow_dependent_launch();
+  SplitRun r;
+  r.nt = blockIdx.y;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  r.kc_begin = int64_t(blockIdx.z) * tiles_per_split;
+  r.kc_end = min(tiles_k, r.kc_begin + tiles_per_split);
+  r.codes = mma::tile_row_codes(weight, r.nt, tiles_k);
+  r.scales = mma::tile_row_scales(scale, r.nt, tiles_k);
+  if (threadIdx.x == 0) mma::prefetch_ktiles_l2(r.codes, r.scales, r.kc_begin, min(r.kc_end, r.kc_begin + ahead));
+  cuda::wait_for_previous_grid();
+  return r;
+}
+
 // CTAs per SM: 16 warps in all (the register budget of kMinBlocks 8-warp CTAs).
 template <int MT, int W> constexpr int kNarrowCtasPerSm = mma::kMinBlocks<MT> * mma::kWarps / W;
 // Stream kernel: 32 warps per SM (64 registers), as shared memory allows.
@@ -153,18 +177,9 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
-  cuda::allow_dependent_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = int64_t(blockIdx.x) * 8 * MT;
-  const int64_t nt = blockIdx.y;
-  const int64_t tiles_k = padded_k(k) / kTileK;
-  const int64_t kc_begin = int64_t(blockIdx.z) * tiles_per_split;
-  const int64_t kc_end = min(tiles_k, kc_begin + tiles_per_split);
-  const uint4* wbase = mma::tile_row_codes(weight, nt, tiles_k);
-  const uint4* sbase = mma::tile_row_scales(scale, nt, tiles_k);
-  if (threadIdx.x == 0)  // the tiles of every warp's first register stages
-    mma::prefetch_ktiles_l2(wbase, sbase, kc_begin, min(kc_end, kc_begin + mma::kStages<MT> * W));
-  cuda::wait_for_previous_grid();
+  const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, mma::kStages<MT> * W);
 
   const T* xrow[MT];
 #pragma unroll
@@ -173,8 +188,8 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
     xrow[mt] = x + row * k + (lane % 4) * 4;
   }
   float acc[MT][4];
-  mma::warp_mainloop<T, MT, W>(acc, wbase, sbase, xrow, k, kc_begin, kc_end, warp, lane);
-  narrow_finish<T, MT, W>(acc, m0, nt, m, n, global_scale, bias, out, workspace);
+  mma::warp_mainloop<T, MT, W>(acc, run.codes, run.scales, xrow, k, run.kc_begin, run.kc_end, warp, lane);
+  narrow_finish<T, MT, W>(acc, m0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
 // M <= 8; dynamic shared memory: W * stream_warp_bytes(M).
@@ -183,17 +198,8 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
-  cuda::allow_dependent_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t nt = blockIdx.y;
-  const int64_t tiles_k = padded_k(k) / kTileK;
-  const int64_t kc_begin = int64_t(blockIdx.z) * tiles_per_split;
-  const int64_t kc_end = min(tiles_k, kc_begin + tiles_per_split);
-  const uint4* wbase = mma::tile_row_codes(weight, nt, tiles_k);
-  const uint4* sbase = mma::tile_row_scales(scale, nt, tiles_k);
-  if (threadIdx.x == 0)  // the tiles of every warp's first ring slots
-    mma::prefetch_ktiles_l2(wbase, sbase, kc_begin, min(kc_end, kc_begin + (mma::kStreamStages - 1) * W));
-  cuda::wait_for_previous_grid();
+  const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, (mma::kStreamStages - 1) * W);
 
   const int rows = static_cast<int>(m);
   const T* xsrc[4];
@@ -201,9 +207,9 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   for (int j = 0; j < 4; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
-  mma::stream_mainloop<T, W>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc, wbase, sbase,
-                             k, kc_begin, kc_end, warp, lane);
-  narrow_finish<T, 1, W>(acc, 0, nt, m, n, global_scale, bias, out, workspace);
+  mma::stream_mainloop<T, W>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc, run.codes,
+                             run.scales, k, run.kc_begin, run.kc_end, warp, lane);
+  narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
 // ---- medium M: the wide kernel ----------------------------------------------
@@ -278,7 +284,7 @@ cudaError_t launch_split_reduce(const LinearArgs& a, int64_t splits, cudaStream_
 template <typename T, int MT>
 cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   constexpr int smem = sizeof(mma::WideSmem<T, MT>);
-  cudaError_t err = cudaFuncSetAttribute(linear_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_wide_kernel<T, MT>, smem);
   if (err != cudaSuccess) return err;
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, 8)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
@@ -307,7 +313,7 @@ template <typename T, int W>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const int smem = W * mma::stream_warp_bytes(static_cast<int>(a.m));
-  cudaError_t err = cudaFuncSetAttribute(linear_stream_kernel<T, W>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
   err = cuda::launch_dependent(linear_stream_kernel<T, W>, grid, dim3(32 * W), smem, stream,

@@ -676,20 +676,14 @@ cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t st
   const int smem = kStream ? W * TP * gemm::mma::stream_warp_bytes(kStreamRows) : 0;
   if constexpr (kUp) {
     auto* kernel = moe_up_kernel<T, W, TP, kStream>;
-    if (kStream) {
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return err;
-    }
+    if (const cudaError_t err = cuda::allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
     const dim3 grid(unsigned(cuda::ceil_div(2 * a.inter / 16, TP)), unsigned(ws.max_items));
     return cuda::launch_dependent(kernel, grid, block, smem, stream, static_cast<const T*>(a.x), ws.sorted_token,
                                   ws.work, a.w13, a.w13_scale, a.w13_global, static_cast<T*>(ws.act), a.h, a.inter,
                                   a.has_limit, a.swiglu_limit);
   } else {
     auto* kernel = moe_down_kernel<T, W, TP, kStream>;
-    if (kStream) {
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return err;
-    }
+    if (const cudaError_t err = cuda::allow_dynamic_smem(kernel, smem); err != cudaSuccess) return err;
     const dim3 grid(unsigned(cuda::ceil_div(a.h / 16, TP)), unsigned(ws.max_items));
     return cuda::launch_dependent(kernel, grid, block, smem, stream, static_cast<const T*>(ws.act), ws.work, a.w2,
                                   a.w2_scale, a.w2_global, static_cast<T*>(ws.expert_out), a.h, a.inter);
@@ -727,10 +721,8 @@ template <typename T, int MT>
 cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   constexpr int smem = sizeof(gemm::mma::WideSmem<T, MT>);
   cudaError_t err;
-  if ((err = cudaFuncSetAttribute(moe_up_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) !=
-          cudaSuccess ||
-      (err = cudaFuncSetAttribute(moe_down_wide_kernel<T, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) !=
-          cudaSuccess)
+  if ((err = cuda::allow_dynamic_smem(moe_up_wide_kernel<T, MT>, smem)) != cudaSuccess ||
+      (err = cuda::allow_dynamic_smem(moe_down_wide_kernel<T, MT>, smem)) != cudaSuccess)
     return err;
   const unsigned items = static_cast<unsigned>(ws.max_items);
   moe_up_wide_kernel<T, MT><<<dim3(unsigned(cuda::ceil_div(2 * a.inter / 16, 8)), items), kThreads, smem, stream>>>(

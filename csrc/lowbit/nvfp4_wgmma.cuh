@@ -420,7 +420,7 @@ cudaError_t launch(const Maps& maps, const Problem& problem, int64_t k, int spli
                    cudaStream_t stream) {
   using C = Config<NT>;
   auto kernel = gemm_kernel<T, NT, Problem>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  cudaError_t err = cuda::allow_dynamic_smem(kernel, C::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int tiles_per_split = static_cast<int>(cuda::ceil_div(tiles_k, splits));
@@ -466,7 +466,7 @@ int64_t resident_clusters(int splits) {
   config.dynamicSmemBytes = C::kSmemBytes;
   config.attrs = attr;
   config.numAttrs = 1;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes) != cudaSuccess ||
+  if (cuda::allow_dynamic_smem(kernel, C::kSmemBytes) != cudaSuccess ||
       cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
     cudaGetLastError();  // no cluster query on this device: assume every SM
     clusters = static_cast<int>(cuda::num_sms() / splits);
