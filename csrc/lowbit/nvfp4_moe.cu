@@ -4,7 +4,9 @@
 //   1. align (one CTA): counts the (token, slot) pairs per expert, gives each
 //      pair a row in expert-sorted order and cuts each expert's rows into
 //      work items (expert, first row, rows) of at most 16 rows (narrow
-//      kernels), 8 MT (wide) or NT (wgmma).
+//      kernels), 8 MT (wide) or NT (wgmma). In the narrow plan with many
+//      W tiles, experts of more than 16 rows get items of up to 64 rows in
+//      a second, hot list.
 //   2. up: per work item and 16-row tile of W13 the decode + mma main loop
 //      (nvfp4_mma.cuh) over K = H, with x's rows gathered through the
 //      sorted order; the epilogue applies the global scale and the clamped
@@ -13,8 +15,11 @@
 //      The narrow form (few rows per expert) runs 1-8 warps per W tile and
 //      1 or 4 tiles per CTA (narrow_shape), one or two 8-row m-tiles as
 //      the item needs (one token: streaming warps, stream_mainloop, as the
-//      Linear's stream kernel); with more rows per expert (plan()) the wide form
-//      takes 128 W rows per CTA with x staged in shared memory; with many,
+//      Linear's stream kernel); with a hot list, the mixed form runs the
+//      hot items as the wide form below and the narrow ones with one warp
+//      per W tile, 8 tiles per CTA, in one launch. With more rows per expert
+//      (plan()) the wide form takes 128 W rows per CTA with x staged in
+//      shared memory; with many,
 //      the wgmma form (nvfp4_wgmma.cuh: W decoded into shared memory by
 //      warps of its own, wgmma) takes 128 W rows x NT rows per CTA, after a
 //      kernel that writes x in sorted order.
@@ -34,7 +39,9 @@
 // kernel start only after its own wait for the align kernel, so the down
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
+#include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "lowbit/cuda_utils.cuh"
@@ -62,14 +69,31 @@ struct Item {
   int32_t expert, row, rows, pad;
 };
 
-__global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t* __restrict__ ids, int64_t slots,
-                                                                  int64_t k, int experts, int chunk,
-                                                                  int32_t* __restrict__ slot_pos,
-                                                                  int32_t* __restrict__ sorted_token,
-                                                                  Item* __restrict__ items,
-                                                                  int32_t* __restrict__ num_items) {
+// Per-thread counts the align kernel scans over experts: rows, and work
+// items of the narrow (or only) list and of the hot list.
+struct AlignCounts {
+  int rows, items, hot;
+};
+__device__ __forceinline__ AlignCounts warp_inclusive_scan(AlignCounts c, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, c.rows, o), i = __shfl_up_sync(0xffffffffu, c.items, o),
+              h = __shfl_up_sync(0xffffffffu, c.hot, o);
+    if (lane >= o) c = AlignCounts{c.rows + r, c.items + i, c.hot + h};
+  }
+  return c;
+}
+
+// Expert-sorted rows and work items. An expert with more than hot_above
+// rows gets items of hot_chunk rows in hot_items (the hot list, counted in
+// num_items[1]); every other expert gets items of `chunk` rows in items
+// (num_items[0]). hot_above >= M: no hot list.
+__global__ void __launch_bounds__(kAlignThreads)
+    moe_align_kernel(const int32_t* __restrict__ ids, int64_t slots, int64_t k, int experts, int chunk,
+                     int hot_above, int hot_chunk, int32_t* __restrict__ slot_pos, int32_t* __restrict__ sorted_token,
+                     Item* __restrict__ items, Item* __restrict__ hot_items, int32_t* __restrict__ num_items) {
   extern __shared__ int32_t count[];  // [experts]: rows per expert, then each expert's first row
-  __shared__ int32_t warp_rows[kAlignThreads / 32], warp_items[kAlignThreads / 32];
+  __shared__ AlignCounts warp_counts[kAlignThreads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   cuda::allow_dependent_launch();  // the up kernel's CTAs get resident and wait for the items
   for (int e = tid; e < experts; e += kAlignThreads) count[e] = 0;
@@ -82,49 +106,41 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const int32_t*
   }
   __syncthreads();
 
-  // Exclusive scans of rows and work items over experts; each thread owns a
-  // contiguous range of experts.
+  // Exclusive scans of rows and of both lists' items over experts; each
+  // thread owns a contiguous range of experts.
   const int per = (experts + kAlignThreads - 1) / kAlignThreads;
   const int e0 = min(experts, tid * per), e1 = min(experts, e0 + per);
-  int rows = 0, work = 0;
-  for (int e = e0; e < e1; ++e) {
-    rows += count[e];
-    work += (count[e] + chunk - 1) / chunk;
-  }
-  int rows_incl = rows, work_incl = work;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int r = __shfl_up_sync(0xffffffffu, rows_incl, o), w = __shfl_up_sync(0xffffffffu, work_incl, o);
-    if (lane >= o) {
-      rows_incl += r;
-      work_incl += w;
-    }
-  }
-  if (lane == 31) {
-    warp_rows[warp] = rows_incl;
-    warp_items[warp] = work_incl;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const int r = warp_rows[lane], w = warp_items[lane];
-    int r_incl = r, w_incl = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int rr = __shfl_up_sync(0xffffffffu, r_incl, o), ww = __shfl_up_sync(0xffffffffu, w_incl, o);
-      if (lane >= o) {
-        r_incl += rr;
-        w_incl += ww;
-      }
-    }
-    warp_rows[lane] = r_incl - r;
-    warp_items[lane] = w_incl - w;
-    if (lane == 31) *num_items = w_incl;
-  }
-  __syncthreads();
-  int row = warp_rows[warp] + rows_incl - rows, item = warp_items[warp] + work_incl - work;
+  AlignCounts own{0, 0, 0};
   for (int e = e0; e < e1; ++e) {
     const int c = count[e];
-    for (int s = 0; s < c; s += chunk) items[item++] = Item{e, row + s, min(chunk, c - s), 0};
+    own.rows += c;
+    if (c > hot_above)
+      own.hot += (c + hot_chunk - 1) / hot_chunk;
+    else
+      own.items += (c + chunk - 1) / chunk;
+  }
+  const AlignCounts incl = warp_inclusive_scan(own, lane);
+  if (lane == 31) warp_counts[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const AlignCounts w = warp_counts[lane];
+    const AlignCounts w_incl = warp_inclusive_scan(w, lane);
+    warp_counts[lane] = AlignCounts{w_incl.rows - w.rows, w_incl.items - w.items, w_incl.hot - w.hot};
+    if (lane == 31) {
+      num_items[0] = w_incl.items;
+      num_items[1] = w_incl.hot;
+    }
+  }
+  __syncthreads();
+  const AlignCounts base = warp_counts[warp];
+  int row = base.rows + incl.rows - own.rows, item = base.items + incl.items - own.items,
+      hot = base.hot + incl.hot - own.hot;
+  for (int e = e0; e < e1; ++e) {
+    const int c = count[e];
+    if (c > hot_above)
+      for (int s = 0; s < c; s += hot_chunk) hot_items[hot++] = Item{e, row + s, min(hot_chunk, c - s), 0};
+    else
+      for (int s = 0; s < c; s += chunk) items[item++] = Item{e, row + s, min(chunk, c - s), 0};
     count[e] = row;
     row += c;
   }
@@ -150,11 +166,13 @@ struct WorkList {
   const int32_t* num_items;
   const int32_t* ids;         // direct: [slots]
   int32_t slots, experts;
+  int32_t capacity;           // items' length (bounds a count read before the kernel's wait)
 
   __device__ __forceinline__ bool fetch(Item& it) const { return fetch_at(static_cast<int>(blockIdx.y), it); }
+  __device__ __forceinline__ int count() const { return min(max(*num_items, 0), capacity); }
   __device__ __forceinline__ bool fetch_at(int y, Item& it) const {
     if (items) {
-      if (y >= *num_items) return false;
+      if (y >= count()) return false;
       it = items[y];
       return true;
     }
@@ -382,15 +400,14 @@ __device__ __forceinline__ bool wide_tile_sums(float (&acc)[MT][4], int64_t& nt,
   return active;
 }
 
+// Up projection + SwiGLU of one item of at most 8 MT rows (every thread of
+// the CTA calls it).
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
-    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
-    T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
-  cuda::wait_for_previous_grid();  // the items
-  cuda::allow_dependent_launch();
-  Item it;
-  if (!work.fetch(it)) return;
+__device__ __forceinline__ void up_wide_item(const Item& it, const T* __restrict__ x,
+                                             const int32_t* __restrict__ sorted_token,
+                                             const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13,
+                                             const float* __restrict__ g13, T* __restrict__ act, int64_t h,
+                                             int64_t inter, bool has_limit, float limit) {
   float acc[MT][4];
   int64_t nt;
   if (!wide_tile_sums<T, MT, true>(acc, nt, it, x, sorted_token, h, w13, s13, 2 * inter / 16)) return;
@@ -407,14 +424,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
     }
 }
 
+// Down projection of one item of at most 8 MT rows.
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
-    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
-    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
-  cuda::allow_dependent_launch();
-  cuda::wait_for_previous_grid();  // h
-  Item it;
-  if (!work.fetch(it)) return;
+__device__ __forceinline__ void down_wide_item(const Item& it, const T* __restrict__ act,
+                                               const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
+                                               const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h,
+                                               int64_t inter) {
   float acc[MT][4];
   int64_t nt;
   if (!wide_tile_sums<T, MT, false>(acc, nt, it, act, nullptr, inter, w2, s2, h / 16)) return;
@@ -430,6 +445,109 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
       o[0] = cuda::from_float<T>(acc[mt][i] * gs);
       o[8] = cuda::from_float<T>(acc[mt][2 + i] * gs);
     }
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
+    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  cuda::wait_for_previous_grid();  // the items
+  cuda::allow_dependent_launch();
+  Item it;
+  if (work.fetch(it)) up_wide_item<T, MT>(it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
+    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
+    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
+  cuda::allow_dependent_launch();
+  cuda::wait_for_previous_grid();  // h
+  Item it;
+  if (work.fetch(it)) down_wide_item<T, MT>(it, act, w2, s2, g2, expert_out, h, inter);
+}
+
+// ---- mixed kernels: the narrow plan with a hot list -------------------------
+// In the narrow plan, an expert with more than kNarrowItemRows rows (the hot
+// list: skewed routing, the shared expert) would be cut into 16-row items
+// that each decode its weights again. With a hot list, one launch per GEMM
+// takes both lists: CTAs of 8 warps over 8 W tiles, the first (grid y below
+// the hot count) on hot items of up to kHotItemRows rows with the wide main
+// loop (4 m-tiles for items of up to 32 rows, else 8), the rest on narrow
+// items with one warp per W tile (W = 1, TP = 8). The hot items, the
+// longest, start first and overlap with the narrow ones (docs/PERF.md, MoE
+// v11).
+constexpr int kHotItemRows = 64;
+constexpr int kMixedTiles = gemm::mma::kWarps;
+using MixedNarrowSmem = NarrowSmem<1, kMixedTiles, 2>;
+template <typename T>
+constexpr int kMixedSmemBytes =
+    static_cast<int>(std::max(sizeof(gemm::mma::WideSmem<T, kHotItemRows / 8>), sizeof(MixedNarrowSmem)));
+
+// This CTA's item: hot item y, or narrow item y - (hot count); false past both.
+__device__ __forceinline__ bool fetch_mixed(const WorkList& work, const WorkList& hot, Item& it, bool& is_hot) {
+  const int y = static_cast<int>(blockIdx.y), hot_items = hot.count();
+  is_hot = y < hot_items;
+  return is_hot ? hot.fetch_at(y, it) : work.fetch_at(y - hot_items, it);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) moe_up_mixed_kernel(
+    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work, const WorkList hot,
+    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
+  cuda::wait_for_previous_grid();  // the items
+  cuda::allow_dependent_launch();  // as moe_up_kernel
+  Item it;
+  bool is_hot;
+  if (!fetch_mixed(work, hot, it, is_hot)) return;
+  if (is_hot) {
+    if (it.rows <= 32) return up_wide_item<T, 4>(it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+    return up_wide_item<T, 8>(it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+  }
+  extern __shared__ uint4 mixed_smem[];
+  auto& smem = *reinterpret_cast<MixedNarrowSmem*>(mixed_smem);
+  if (two_m_tiles(it))
+    up_item<T, 2, 1, kMixedTiles, false>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+  else
+    up_item<T, 1, 1, kMixedTiles, false>(smem, it, x, sorted_token, w13, s13, g13, act, h, inter, has_limit, limit);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) moe_down_mixed_kernel(
+    const T* __restrict__ act, const WorkList work, const WorkList hot, const uint8_t* __restrict__ w2,
+    const uint8_t* __restrict__ s2, const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h,
+    int64_t inter) {
+  cuda::allow_dependent_launch();
+  // As moe_down_kernel: the first k-tiles of the warp's W tile go into L2
+  // while the up kernel drains, from an item read before the wait (a hint).
+  Item it;
+  bool is_hot;
+  if (threadIdx.x % 32 == 0 && fetch_mixed(work, hot, it, is_hot)) {
+    const int64_t ntiles = h / 16, nt = int64_t(blockIdx.x) * kMixedTiles + threadIdx.x / 32;
+    const int64_t expert = min(max(it.expert, 0), work.experts - 1);
+    const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
+    const int stages = is_hot            ? gemm::mma::kWideStages - 1
+                       : two_m_tiles(it) ? gemm::mma::kStages<2>
+                                         : gemm::mma::kStages<1>;
+    if (nt < ntiles)
+      gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
+                                    gemm::mma::tile_row_scales(s2, tile_row, tiles_k), 0,
+                                    min(tiles_k, int64_t(stages)));
+  }
+  cuda::wait_for_previous_grid();  // h (and, again, the items)
+  if (!fetch_mixed(work, hot, it, is_hot)) return;
+  if (is_hot) {
+    if (it.rows <= 32) return down_wide_item<T, 4>(it, act, w2, s2, g2, expert_out, h, inter);
+    return down_wide_item<T, 8>(it, act, w2, s2, g2, expert_out, h, inter);
+  }
+  extern __shared__ uint4 mixed_smem[];
+  auto& smem = *reinterpret_cast<MixedNarrowSmem*>(mixed_smem);
+  if (two_m_tiles(it))
+    down_item<T, 2, 1, kMixedTiles, false>(smem, it, act, w2, s2, g2, expert_out, h, inter);
+  else
+    down_item<T, 1, 1, kMixedTiles, false>(smem, it, act, w2, s2, g2, expert_out, h, inter);
 }
 
 // ---- wgmma kernels (nvfp4_wgmma.cuh), for experts with many rows ------------
@@ -570,81 +688,21 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
   cuda::store8(out + t * h + c, acc);
 }
 
-// Kernel plan from the mean rows per expert that can get any: few rows ->
-// the narrow kernels (warps split K, one 16-row W tile per CTA, x from
-// global memory, items of up to kNarrowItemRows); more -> the wide kernels
-// (x staged in shared memory and shared by 128 W rows, items of 8 MT rows);
-// many -> the wgmma kernels (items of up to NT rows, x sorted first).
-// One token needs no grouping: its slots are the work items (direct), and
-// the align kernel is left out of the chain.
-// The wgmma kernels' token tile (items of up to that many rows) follows the
-// mean too: measured on the DeepSeek layers at M = 4096 (docs/PERF.md, MoE
-// v9), 256-row tiles win from 128 rows per expert on (half-empty tiles
-// cost less than decoding each expert's weights twice), 128-row tiles from
-// 80, the wide kernels below.
-enum class Kernels { kNarrow, kWide, kWgmma };
-struct Plan {
-  Kernels kernels;
-  int mt;       // wide: 8-row m-tiles per item; wgmma: rows per item (NT)
-  bool direct;  // one token: WorkList's direct form, no align kernel
-  int item_rows() const {
-    return kernels == Kernels::kNarrow ? kNarrowItemRows : kernels == Kernels::kWide ? 8 * mt : mt;
-  }
-};
-Plan plan(const MoeArgs& a) {
-  const int64_t slots = a.m * a.k;
-  const int64_t active = std::min<int64_t>(a.e, slots);
-  const int64_t mean = active > 0 ? slots / active : 0;
-  if (mean <= 16) return {Kernels::kNarrow, 0, a.m == 1};
-  if (mean <= 40) return {Kernels::kWide, 4, false};
-  if (mean < 80) return {Kernels::kWide, 8, false};
-  return {Kernels::kWgmma, mean < 128 ? 128 : 256, false};
-}
-
-int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
-
-// The align kernel's outputs (none for a direct list) and the GEMMs' rows.
-struct Workspace {
-  int32_t* slot_pos;      // [M k] (null: direct)
-  int32_t* sorted_token;  // [M k] (null: direct)
-  Item* items;            // [max_items] (null: direct)
-  int32_t* num_items;     // [1] (null: direct)
-  WorkList work;          // what the GEMM kernels read: items, or the ids
-  void* act;              // [M k, I]
-  void* expert_out;       // [M k, H]
-  int64_t max_items;
-  int64_t bytes;
-};
-
-Workspace carve(const MoeArgs& a, char* base) {
-  const int64_t slots = a.m * a.k;
-  const Plan p = plan(a);
-  Workspace w{};
-  w.max_items = p.direct ? slots : std::min<int64_t>(a.e, slots) + slots / p.item_rows();
-  int64_t off = 0;
-  auto take = [&](int64_t bytes) {
-    char* ptr = base ? base + off : nullptr;
-    off += align_up(bytes);
-    return ptr;
-  };
-  if (!p.direct) {
-    w.slot_pos = reinterpret_cast<int32_t*>(take(slots * 4));
-    w.sorted_token = reinterpret_cast<int32_t*>(take(slots * 4));
-    w.items = reinterpret_cast<Item*>(take(w.max_items * int64_t(sizeof(Item))));
-    w.num_items = reinterpret_cast<int32_t*>(take(4));
-  }
-  w.work = WorkList{w.items, w.num_items, a.topk_ids, static_cast<int32_t>(slots), static_cast<int32_t>(a.e)};
-  w.act = take(slots * a.inter * 2);
-  w.expert_out = take(slots * a.h * 2);
-  w.bytes = off;
-  return w;
-}
-
 // LOWBIT_MOE_STREAM=0 in the environment (read once) keeps the register-
 // staged narrow kernels for one token, for benchmarks.
 bool stream_enabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("LOWBIT_MOE_STREAM");
+    return !(v && std::string(v) == "0");
+  }();
+  return enabled;
+}
+
+// LOWBIT_MOE_HOT=0 in the environment (read once) leaves hot experts in
+// the narrow list (16-row items), for benchmarks.
+bool hot_list_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("LOWBIT_MOE_HOT");
     return !(v && std::string(v) == "0");
   }();
   return enabled;
@@ -666,6 +724,94 @@ NarrowShape narrow_shape(int64_t tiles) {
   const int64_t wave = 16 * cuda::num_sms();  // one-warp CTAs resident at once
   if (tiles < wave) return {8, 1};
   return tiles <= 8 * wave ? NarrowShape{2, 1} : NarrowShape{1, 4};
+}
+
+// Kernel plan from the mean rows per expert that can get any: few rows ->
+// the narrow kernels (warps split K, one 16-row W tile per CTA, x from
+// global memory, items of up to kNarrowItemRows); more -> the wide kernels
+// (x staged in shared memory and shared by 128 W rows, items of 8 MT rows);
+// many -> the wgmma kernels (items of up to NT rows, x sorted first).
+// One token needs no grouping: its slots are the work items (direct), and
+// the align kernel is left out of the chain.
+// The wgmma kernels' token tile (items of up to that many rows) follows the
+// mean too: measured on the DeepSeek layers at M = 4096 (docs/PERF.md, MoE
+// v9), 256-row tiles win from 128 rows per expert on (half-empty tiles
+// cost less than decoding each expert's weights twice), 128-row tiles from
+// 80, the wide kernels below.
+enum class Kernels { kNarrow, kWide, kWgmma };
+struct Plan {
+  Kernels kernels;
+  int mt;       // wide: 8-row m-tiles per item; wgmma: rows per item (NT)
+  bool direct;  // one token: WorkList's direct form, no align kernel
+  bool hot;     // narrow: experts with more than kNarrowItemRows rows in a hot list
+  int item_rows() const {
+    return kernels == Kernels::kNarrow ? kNarrowItemRows : kernels == Kernels::kWide ? 8 * mt : mt;
+  }
+};
+Plan plan(const MoeArgs& a) {
+  const int64_t slots = a.m * a.k;
+  const int64_t active = std::min<int64_t>(a.e, slots);
+  const int64_t mean = active > 0 ? slots / active : 0;
+  if (mean <= 16) {
+    Plan p{Kernels::kNarrow, 0, a.m == 1, false};
+    // A hot list where an expert can get more than one narrow item and both
+    // GEMMs have the many (item, W tile) pairs that one warp per tile suits.
+    const int64_t items = active + slots / kNarrowItemRows;
+    if (a.m > kNarrowItemRows && narrow_shape(items * (2 * a.inter / 16)).tiles_per_cta == 4 &&
+        narrow_shape(items * (a.h / 16)).tiles_per_cta == 4)
+      p.hot = hot_list_enabled();
+    return p;
+  }
+  if (mean <= 40) return {Kernels::kWide, 4, false, false};
+  if (mean < 80) return {Kernels::kWide, 8, false, false};
+  return {Kernels::kWgmma, mean < 128 ? 128 : 256, false, false};
+}
+
+int64_t align_up(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The align kernel's outputs (none for a direct list) and the GEMMs' rows.
+struct Workspace {
+  int32_t* slot_pos;      // [M k] (null: direct)
+  int32_t* sorted_token;  // [M k] (null: direct)
+  Item* items;            // [max_items] (null: direct)
+  Item* hot_items;        // [max_hot_items] (null: no hot list)
+  int32_t* num_items;     // [2]: items, hot items (null: direct)
+  WorkList work;          // what the GEMM kernels read: items, or the ids
+  WorkList hot_work;      // the hot list
+  void* act;              // [M k, I]
+  void* expert_out;       // [M k, H]
+  int64_t max_items, max_hot_items;
+  int64_t bytes;
+};
+
+Workspace carve(const MoeArgs& a, char* base) {
+  const int64_t slots = a.m * a.k;
+  const Plan p = plan(a);
+  Workspace w{};
+  w.max_items = p.direct ? slots : std::min<int64_t>(a.e, slots) + slots / p.item_rows();
+  // Hot experts have more than kNarrowItemRows rows each.
+  w.max_hot_items = p.hot ? slots / (kNarrowItemRows + 1) + slots / kHotItemRows : 0;
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    char* ptr = base ? base + off : nullptr;
+    off += align_up(bytes);
+    return ptr;
+  };
+  if (!p.direct) {
+    w.slot_pos = reinterpret_cast<int32_t*>(take(slots * 4));
+    w.sorted_token = reinterpret_cast<int32_t*>(take(slots * 4));
+    w.items = reinterpret_cast<Item*>(take(w.max_items * int64_t(sizeof(Item))));
+    if (p.hot) w.hot_items = reinterpret_cast<Item*>(take(w.max_hot_items * int64_t(sizeof(Item))));
+    w.num_items = reinterpret_cast<int32_t*>(take(2 * 4));
+  }
+  w.work = WorkList{w.items, w.num_items, a.topk_ids, static_cast<int32_t>(slots), static_cast<int32_t>(a.e),
+                    static_cast<int32_t>(w.max_items)};
+  w.hot_work = WorkList{w.hot_items, w.num_items ? w.num_items + 1 : nullptr, a.topk_ids,
+                        static_cast<int32_t>(slots), static_cast<int32_t>(a.e), static_cast<int32_t>(w.max_hot_items)};
+  w.act = take(slots * a.inter * 2);
+  w.expert_out = take(slots * a.h * 2);
+  w.bytes = off;
+  return w;
 }
 
 // One narrow GEMM launch (kUp: W13 + SwiGLU, else W2) of shape <W, TP>;
@@ -735,6 +881,29 @@ cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// Both mixed kernels (the narrow plan with a hot list), dependent launches
+// as the narrow ones.
+template <typename T>
+cudaError_t launch_mixed(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
+  constexpr int smem = kMixedSmemBytes<T>;
+  auto* up = moe_up_mixed_kernel<T>;
+  auto* down = moe_down_mixed_kernel<T>;
+  cudaError_t err;
+  if ((err = cuda::allow_dynamic_smem(up, smem)) != cudaSuccess ||
+      (err = cuda::allow_dynamic_smem(down, smem)) != cudaSuccess)
+    return err;
+  const unsigned items = static_cast<unsigned>(ws.max_items + ws.max_hot_items);
+  err = cuda::launch_dependent(up, dim3(unsigned(cuda::ceil_div(2 * a.inter / 16, kMixedTiles)), items),
+                               dim3(kThreads), smem, stream, static_cast<const T*>(a.x),
+                               static_cast<const int32_t*>(ws.sorted_token), ws.work, ws.hot_work, a.w13,
+                               a.w13_scale, a.w13_global, static_cast<T*>(ws.act), a.h, a.inter, a.has_limit,
+                               a.swiglu_limit);
+  if (err != cudaSuccess) return err;
+  return cuda::launch_dependent(down, dim3(unsigned(cuda::ceil_div(a.h / 16, kMixedTiles)), items), dim3(kThreads),
+                                smem, stream, static_cast<const T*>(ws.act), ws.work, ws.hot_work, a.w2, a.w2_scale,
+                                a.w2_global, static_cast<T*>(ws.expert_out), a.h, a.inter);
+}
+
 // The wgmma path: sort x into the expert_out buffer, then up (+ SwiGLU) and
 // down (nvfp4_wgmma.cuh), all programmatic dependent launches.
 template <typename T, int NT>
@@ -768,11 +937,14 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   if (!p.direct)
     err = cuda::launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), a.e * sizeof(int32_t), stream,
-                                 a.topk_ids, a.m * a.k, a.k, static_cast<int>(a.e), p.item_rows(), ws.slot_pos,
-                                 ws.sorted_token, ws.items, ws.num_items);
+                                 a.topk_ids, a.m * a.k, a.k, static_cast<int>(a.e), p.item_rows(),
+                                 p.hot ? kNarrowItemRows : std::numeric_limits<int>::max(), kHotItemRows,
+                                 ws.slot_pos, ws.sorted_token, ws.items, ws.hot_items, ws.num_items);
   if (err != cudaSuccess) return err;
   if (ws.max_items > 0) {
-    if (p.kernels == Kernels::kNarrow) {
+    if (p.kernels == Kernels::kNarrow && p.hot) {
+      err = launch_mixed<T>(a, ws, stream);
+    } else if (p.kernels == Kernels::kNarrow) {
       err = launch_narrow<true, T>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
       if (err == cudaSuccess) err = launch_narrow<false, T>(ws.max_items * (a.h / 16), a, ws, stream);
     } else if (p.kernels == Kernels::kWide) {
@@ -791,12 +963,15 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
 }  // namespace
 
 int64_t moe_workspace_bytes(const MoeArgs& a) { return carve(a, nullptr).bytes; }
-int64_t moe_max_work_items(const MoeArgs& a) { return carve(a, nullptr).max_items; }
+int64_t moe_max_work_items(const MoeArgs& a) {
+  const Workspace ws = carve(a, nullptr);
+  return ws.max_items + ws.max_hot_items;
+}
 
 cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream) {
   if (a.m == 0) return cudaSuccess;
   const Workspace ws = carve(a, static_cast<char*>(workspace));
-  if (ws.max_items > kMaxWorkItems) return cudaErrorInvalidConfiguration;
+  if (ws.max_items + ws.max_hot_items > kMaxWorkItems) return cudaErrorInvalidConfiguration;
   if (a.dtype == DType::kBFloat16) return launch<__nv_bfloat16>(a, ws, stream);
   if (a.dtype == DType::kFloat16) return launch<__half>(a, ws, stream);
   return cudaErrorInvalidValue;

@@ -474,8 +474,8 @@ def test_cuda_narrow_one_warp_four_tiles_per_cta(M):
 def test_cuda_narrow_items_of_one_and_two_m_tiles(dtype):
     # Narrow work items hold up to 16 rows; each CTA runs the one-m-tile loop
     # for items of 1-8 rows and the two-m-tile loop for 9-16 (nvfp4_moe.cu).
-    # Expert rows here: 40 (items of 16 + 16 + 8), 17 (16 + 1), 12, 9 and 2,
-    # in one narrow launch (mean rows per expert <= 16).
+    # Expert rows here: 40 and 17 (the hot list's wide items), 12, 9 and 2
+    # (narrow items) in one narrow plan (mean rows per expert <= 16).
     M, H, I, E, k = 40, 512, 256, 32, 2
     gen = torch.Generator().manual_seed(seed_of("narrow 16-row items", str(dtype)))
     exp = Experts(E, H, I, gen, "cuda")
@@ -490,6 +490,41 @@ def test_cuda_narrow_items_of_one_and_two_m_tiles(dtype):
     y = exp.run(x, w, ids.cuda())
     assert rel_err(y, exp.reference(x, w, ids.cuda())) <= LOW_TOL
     assert torch.equal(exp.run(x, w, ids.cuda()), y)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,H,I,E", [(128, 880, 464, 256), (1000, 400, 208, 512)])
+def test_cuda_narrow_plan_hot_experts(M, H, I, E, dtype):
+    # In the narrow plan (mean rows per expert <= 16) with many (item, W
+    # tile) pairs, experts with more than 16 rows go to the hot list: the
+    # mixed kernels (nvfp4_moe.cu) run them with the wide main loop beside
+    # the narrow items, in items of up to 64 rows (4 m-tiles up to 32 rows,
+    # else 8). Both GEMMs have over 8 waves of one-warp (item, W tile) pairs
+    # on a 132-SM H100 (320 items x 55 or 58 tiles; 1012 x 25 or 26).
+    # Expert rows: M (several hot items), 40 (8 m-tiles), 20 (4 m-tiles), 16
+    # (the largest narrow item), 12 (two m-tiles), the rest random. H and I
+    # are not multiples of 128 (partial k-tiles) and cut the last W block
+    # of 128 rows short.
+    k = 8
+    gen = torch.Generator().manual_seed(seed_of("narrow hot experts", M, str(dtype)))
+    exp = Experts(E, H, I, gen, "cuda")
+    x = random_x(M, H, dtype, gen, "cuda")
+    w, _ = random_routing(M, E, k, gen, "cuda")
+    ids = torch.randint(5, E, (M, k), generator=gen, dtype=torch.int32)
+    ids[:, 0] = 0
+    first = 0
+    for expert, rows in ((1, 40), (2, 20), (3, 16), (4, 12)):
+        ids[first : first + rows, 1] = expert
+        first += rows
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert counts[:5].tolist() == [M, 40, 20, 16, 12] and ((counts > 0) & (counts <= 8)).any()
+    ids = ids.cuda()
+    for limit in (None, pick_limit(exp, x)):
+        y = exp.run(x, w, ids, limit)
+        assert torch.isfinite(y).all()
+        assert rel_err(y, exp.reference(x, w, ids, limit)) <= LOW_TOL, limit
+        assert torch.equal(exp.run(x, w, ids, limit), y)
 
 
 @cuda
