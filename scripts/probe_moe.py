@@ -10,7 +10,7 @@ k routed experts + the shared expert; CUDA graphs, rotating input sets).
       --layers flash,v3 --ms 1 --routings uniform,skewed
 
 A variant is name:ENV=VALUE;ENV2=VALUE2 (the kernels read their knobs once
-per process: LOWBIT_MOE_STREAM, LOWBIT_STREAM_WARPS).
+per process: LOWBIT_MOE_STREAM, LOWBIT_MOE_HOT, LOWBIT_STREAM_WARPS).
 """
 
 from __future__ import annotations
