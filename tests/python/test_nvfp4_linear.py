@@ -253,6 +253,21 @@ CUDA_M = [1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 300, 1000, 2100]
 
 
 @cuda
+def test_cuda_unpack_path_is_exact():
+    # Above 2048 rows the weight is unpacked (unpack_kernel) and multiplied
+    # by cuBLAS. With x = I, y = W^T is the unpacked weight bit for bit
+    # (one nonzero product per output): the dequantized weight rounded once
+    # to x's dtype. K = 2064: 16 whole k-tiles and a partial one; N = 48:
+    # three tile rows.
+    gen = torch.Generator().manual_seed(20)
+    n, k = 48, 2064
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        w_back = lowbit.nvfp4_linear(torch.eye(k, dtype=dtype, device="cuda"), pw, ps, g).T
+        assert torch.equal(w_back.cpu(), deq.to(dtype)), dtype
+
+
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "n,k",
