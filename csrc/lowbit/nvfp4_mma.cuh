@@ -268,21 +268,23 @@ struct CtaPartials {
 // activations of 8 MT rows of x: each 128-column k-tile of x is staged once
 // per CTA in shared memory and read by all 8 warps, so x is read once per
 // 128 W rows instead of once per 16. Each warp stages its own W tile beside
-// it. A ring of kWideStages k-tiles is filled with cp.async (two tiles in
-// flight while one is computed, one CTA barrier per k-tile); x rows are
+// it. A ring of kWideStages<MT> k-tiles is filled with cp.async (all but one
+// in flight while one is computed, one CTA barrier per k-tile); x rows are
 // padded by 32 bytes so the 8-byte fragment reads of a half-warp hit
 // distinct banks. Every warp sums the whole K range itself: no cross-warp
 // reduction.
 
 constexpr int kWideRowElems = kTileK + 16;  // padded row: 72 words, lanes g / g+1 8 banks apart
-constexpr int kWideStages = 3;
+// Ring depth in k-tiles: 4 for 16 rows of x, whose stages are small (three
+// 55 KB CTAs per SM), 3 above (docs/PERF.md, Linear v10).
+template <int MT> constexpr int kWideStages = MT == 2 ? 4 : 3;
 constexpr int kTileChunks = (kTileBytes + kTileScaleBytes) / 16;  // 72: codes, then scales
 
 template <typename T, int MT>
 struct WideSmem {
   static_assert(MT % 2 == 0, "each thread stages MT / 2 16-byte chunks of x per k-tile");
-  T x[kWideStages][8 * MT][kWideRowElems];
-  uint4 w[kWideStages][kWarps][kTileChunks];
+  T x[kWideStages<MT>][8 * MT][kWideRowElems];
+  uint4 w[kWideStages<MT>][kWarps][kTileChunks];
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -311,10 +313,10 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
   // One commit group per k-tile (empty past the end), so wait_group counts
-  // stay uniform. Ring slot of k-tile kc: (kc - kc_begin) % kWideStages.
+  // stay uniform. Ring slot of k-tile kc: (kc - kc_begin) % kWideStages<MT>.
   auto stage = [&](int64_t kc) {
     if (kc < kc_end) {
-      const int buf = static_cast<int>((kc - kc_begin) % kWideStages);
+      const int buf = static_cast<int>((kc - kc_begin) % kWideStages<MT>);
       const bool valid = kc * kTileK + chunk * 8 < k;  // xsrc already points at column 8 chunk
 #pragma unroll
       for (int j = 0; j < MT / 2; ++j)
@@ -329,13 +331,13 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
     }
     cp_async_commit();
   };
-  stage(kc_begin);
-  stage(kc_begin + 1);
+#pragma unroll
+  for (int i = 0; i < kWideStages<MT> - 1; ++i) stage(kc_begin + i);
   for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
-    const int buf = static_cast<int>((kc - kc_begin) % kWideStages);
-    cp_async_wait<kWideStages - 2>();  // this thread's copies of tile kc have landed
-    __syncthreads();                   // everyone's have; and tile kc - 1's buffer is free
-    stage(kc + 2);
+    const int buf = static_cast<int>((kc - kc_begin) % kWideStages<MT>);
+    cp_async_wait<kWideStages<MT> - 2>();  // this thread's copies of tile kc have landed
+    __syncthreads();                        // everyone's have; and tile kc - 1's buffer is free
+    stage(kc + kWideStages<MT> - 1);
     if (!warp_active) continue;
     const uint4 w0 = sm.w[buf][warp][lane], w1 = sm.w[buf][warp][32 + lane];
     const uint4 sc = sm.w[buf][warp][64 + lane / 4];

@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mixed_kernel(
     const int64_t ntiles = h / 16, nt = int64_t(blockIdx.x) * kMixedTiles + threadIdx.x / 32;
     const int64_t expert = min(max(it.expert, 0), work.experts - 1);
     const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
-    const int stages = is_hot            ? gemm::mma::kWideStages - 1
+    const int stages = is_hot            ? gemm::mma::kWideStages<8> - 1
                        : two_m_tiles(it) ? gemm::mma::kStages<2>
                                          : gemm::mma::kStages<1>;
     if (nt < ntiles)
