@@ -728,7 +728,9 @@ NarrowShape narrow_shape(int64_t tiles) {
 
 // Kernel plan from the mean rows per expert that can get any: few rows ->
 // the narrow kernels (warps split K, one 16-row W tile per CTA, x from
-// global memory, items of up to kNarrowItemRows); more -> the wide kernels
+// global memory, items of up to kNarrowItemRows; with a hot list, the mixed
+// kernels, which give experts of more rows items of up to kHotItemRows);
+// more -> the wide kernels
 // (x staged in shared memory and shared by 128 W rows, items of 8 MT rows);
 // many -> the wgmma kernels (items of up to NT rows, x sorted first).
 // One token needs no grouping: its slots are the work items (direct), and
