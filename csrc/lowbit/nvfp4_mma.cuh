@@ -287,9 +287,17 @@ struct WideSmem {
   uint4 w[kWideStages<MT>][kWarps][kTileChunks];
 };
 
+// 16 bytes (the first src_bytes of them from gmem, the rest zeros) to the
+// shared-memory address saddr; .cg bypasses L1, .ca goes through it.
+__device__ __forceinline__ void cp_async16_cg(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16_ca(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+// 16 bytes from gmem to smem past L1, or 16 zeros when !valid.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+  cp_async16_cg(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -368,15 +376,6 @@ LOWBIT_HD constexpr int stream_stage_bytes(int rows) {
 }
 // Shared memory of one streaming warp's ring for `rows` rows of x.
 LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
-
-// 16 bytes (the first src_bytes of them from gmem, the rest zeros) to the
-// shared-memory address saddr; .cg bypasses L1, .ca goes through it.
-__device__ __forceinline__ void cp_async16_cg(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async16_ca(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
-}
 
 // kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
 // fewer pointers to carry when the caller knows x is short).

@@ -274,6 +274,20 @@ __device__ __forceinline__ void narrow_tile_sums(gemm::mma::CtaPartials<MT, W> (
   __syncthreads();
 }
 
+// The down kernels' early prefetch: the first `ktiles` k-tiles of W2 tile
+// nt (of ntiles per expert) of the item's expert start moving into L2. The
+// item is read before the kernel's wait, a hint: its expert is clamped to
+// the stack.
+__device__ __forceinline__ void prefetch_down_tile(const uint8_t* w2, const uint8_t* s2, const Item& it, int experts,
+                                                   int64_t nt, int64_t ntiles, int64_t inter, int ktiles) {
+  if (nt >= ntiles) return;
+  const int64_t expert = min(max(it.expert, 0), experts - 1);
+  const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
+  gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
+                                gemm::mma::tile_row_scales(s2, tile_row, tiles_k), 0,
+                                min(tiles_k, int64_t(ktiles)));
+}
+
 // Up projection + SwiGLU of one item of at most 8 MT rows.
 template <typename T, int MT, int W, int TP, bool kStream, typename Smem>
 __device__ __forceinline__ void up_item(Smem& smem, const Item& it, const T* __restrict__ x,
@@ -349,16 +363,11 @@ __global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>))
   // with is read again after the wait.
   Item it;
   if (threadIdx.x % (32 * W) == 0 && work.fetch(it)) {
-    const int64_t expert = min(max(it.expert, 0), work.experts - 1);
-    const int64_t nt = int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W);
     const int stages = kStream           ? gemm::mma::kStreamStages - 1
                        : two_m_tiles(it) ? gemm::mma::kStages<2>
                                          : gemm::mma::kStages<1>;
-    const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
-    if (nt < ntiles)
-      gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
-                                    gemm::mma::tile_row_scales(s2, tile_row, tiles_k), 0,
-                                    min(tiles_k, int64_t(stages) * W));
+    prefetch_down_tile(w2, s2, it, work.experts, int64_t(blockIdx.x) * TP + threadIdx.x / (32 * W), ntiles, inter,
+                       stages * W);
   }
   cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (!work.fetch(it)) return;
@@ -525,16 +534,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mixed_kernel(
   Item it;
   bool is_hot;
   if (threadIdx.x % 32 == 0 && fetch_mixed(work, hot, it, is_hot)) {
-    const int64_t ntiles = h / 16, nt = int64_t(blockIdx.x) * kMixedTiles + threadIdx.x / 32;
-    const int64_t expert = min(max(it.expert, 0), work.experts - 1);
-    const int64_t tiles_k = padded_k(inter) / kTileK, tile_row = expert * ntiles + nt;
     const int stages = is_hot            ? gemm::mma::kWideStages<8> - 1
                        : two_m_tiles(it) ? gemm::mma::kStages<2>
                                          : gemm::mma::kStages<1>;
-    if (nt < ntiles)
-      gemm::mma::prefetch_ktiles_l2(gemm::mma::tile_row_codes(w2, tile_row, tiles_k),
-                                    gemm::mma::tile_row_scales(s2, tile_row, tiles_k), 0,
-                                    min(tiles_k, int64_t(stages)));
+    prefetch_down_tile(w2, s2, it, work.experts, int64_t(blockIdx.x) * kMixedTiles + threadIdx.x / 32, h / 16,
+                       inter, stages);
   }
   cuda::wait_for_previous_grid();  // h (and, again, the items)
   if (!fetch_mixed(work, hot, it, is_hot)) return;
@@ -688,23 +692,21 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
   cuda::store8(out + t * h + c, acc);
 }
 
-// LOWBIT_MOE_STREAM=0 in the environment (read once) keeps the register-
-// staged narrow kernels for one token, for benchmarks.
+// False where the environment sets `name` to "0" (benchmark knobs).
+bool env_not_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v && std::string(v) == "0");
+}
+// LOWBIT_MOE_STREAM=0 (read once) keeps the register-staged narrow kernels
+// for one token.
 bool stream_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("LOWBIT_MOE_STREAM");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool enabled = env_not_zero("LOWBIT_MOE_STREAM");
   return enabled;
 }
-
-// LOWBIT_MOE_HOT=0 in the environment (read once) leaves hot experts in
-// the narrow list (16-row items), for benchmarks.
+// LOWBIT_MOE_HOT=0 (read once) leaves hot experts in the narrow list
+// (16-row items).
 bool hot_list_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("LOWBIT_MOE_HOT");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool enabled = env_not_zero("LOWBIT_MOE_HOT");
   return enabled;
 }
 
