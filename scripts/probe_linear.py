@@ -7,6 +7,9 @@ process and checks the output against the dequantized weight.
 
   python scripts/probe_linear.py --paths default,unpack --ms 64,256,4096 \
       --shapes 8192x4096,7168x18432 [--json out.json]
+
+A path may carry environment knobs for its process after colons:
+--paths wide,wide:LOWBIT_LINEAR_WIDE_WGMMA=1.
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def main() -> None:
     for i, path in enumerate(paths):
         env = dict(os.environ)
         env.pop("LOWBIT_LINEAR_PATH", None)
-        if path != "default":
-            env["LOWBIT_LINEAR_PATH"] = path
+        name, *knobs = path.split(":")
+        if name != "default":
+            env["LOWBIT_LINEAR_PATH"] = name
+        env.update(knob.split("=", 1) for knob in knobs)
         cmd = [sys.executable, __file__, "--worker", "--shapes", args.shapes, "--ms", args.ms]
         if args.eager:
             cmd.append("--eager")

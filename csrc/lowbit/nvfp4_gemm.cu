@@ -12,8 +12,10 @@
 // fixed order in shared memory. Launched as programmatic dependents: their
 // first W tiles go to L2 while the previous kernel finishes.
 // Wide (M <= 128, and 9..16 with many W tiles): 8 warps on 128 rows of W
-// sharing 16, 32 or 64 rows of x staged in shared memory (wide_mainloop), K
-// split to fill the SMs.
+// sharing 16, 32 or 64 rows of x staged in shared memory, K split to fill
+// the SMs; the MMAs on mma.sync (wide_mainloop) or, after a pass that writes
+// x in the shared-memory layout (the x image), on wgmma with x staged by one
+// bulk copy per k-tile (wide_wgmma_mainloop).
 // Both apply global * 2^8 and the bias in the epilogue when K is not split;
 // otherwise they write FP32 partials and split_reduce_kernel, launched as a
 // programmatic dependent, adds them in split order (deterministic: no
@@ -215,16 +217,16 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
 // ---- medium M: the wide kernel ----------------------------------------------
 // grid (ceil(N / 128), ceil(M / (8 MT)), splits): 8 warps on 8 consecutive
 // 16-row W tiles sharing x's rows staged in shared memory
-// (nvfp4_mma.cuh, wide_mainloop), each over one split of K. One split: the
-// output directly; more: FP32 partials [splits, M, N] added in split order
-// by split_reduce_kernel.
+// (nvfp4_mma.cuh, wide_mainloop or wide_wgmma_mainloop: kWg), each over one
+// split of K. One split: the output directly; more: FP32 partials [splits,
+// M, N] added in split order by split_reduce_kernel.
 
 // CTAs per SM the wide kernel is compiled for (registers; shared memory
 // holds as many).
 template <int MT> constexpr int kWideCtasPerSm = MT <= 4 ? 3 : 2;
 static_assert(kWideCtasPerSm<2> == kWideCtasPerSm<4>, "linear_plan counts MT = 2 CTAs as MT = 4 ones");
 
-template <typename T, int MT>
+template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
@@ -236,17 +238,24 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
   const int64_t m0 = int64_t(blockIdx.y) * 8 * MT;
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int64_t kc0 = int64_t(blockIdx.z) * tiles_per_split, kc1 = min(tiles_k, kc0 + tiles_per_split);
-  const T* xsrc[MT / 2];
-#pragma unroll
-  for (int j = 0; j < MT / 2; ++j)
-    xsrc[j] = x + min(m0 + threadIdx.x / 16 + 16 * j, m - 1) * k + (threadIdx.x % 16) * 8;
   const int64_t row_tile = active ? nt : 0;
   const uint4* wtiles = mma::tile_row_codes(weight, row_tile, tiles_k);
   const uint4* stiles = mma::tile_row_scales(scale, row_tile, tiles_k);
   extern __shared__ uint4 wide_smem[];
-  auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
   float acc[MT][4];
-  mma::wide_mainloop<T, MT>(acc, sm, xsrc, wtiles, stiles, active, k, kc0, kc1);
+  if constexpr (kWg) {  // x: its image (wide_x_image_kernel)
+    const uint8_t* image =
+        reinterpret_cast<const uint8_t*>(x) + blockIdx.y * tiles_k * mma::WideWgmmaX<MT>::kStageBytes;
+    auto& sm = *reinterpret_cast<mma::WideWgmmaSmem<T, MT>*>(wide_smem);
+    mma::wide_wgmma_mainloop<T, MT>(acc, sm, image, wtiles, stiles, kc0, kc1);
+  } else {
+    const T* xsrc[MT / 2];
+#pragma unroll
+    for (int j = 0; j < MT / 2; ++j)
+      xsrc[j] = x + min(m0 + threadIdx.x / 16 + 16 * j, m - 1) * k + (threadIdx.x % 16) * 8;
+    auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
+    mma::wide_mainloop<T, MT>(acc, sm, xsrc, wtiles, stiles, active, k, kc0, kc1);
+  }
   if (!active) return;
   const int64_t o = nt * kTileN + g;  // acc[mt][i]: W row o at x row 8 mt + 2 tq + i; acc[mt][2 + i]: row o + 8
 #pragma unroll
@@ -281,19 +290,86 @@ cudaError_t launch_split_reduce(const LinearArgs& a, int64_t splits, cudaStream_
                                 static_cast<const T*>(a.bias), static_cast<T*>(a.out));
 }
 
+// x [M, K] as the wide wgmma kernel's stages (nvfp4_mma.cuh, WideWgmmaX):
+// per block of 8 MT rows and k-tile, kStageBytes in the stage layout; rows
+// past M and columns past K zero. A thread moves one row's 16-column block
+// (its even words to one k-group, its odd words to the next); consecutive
+// threads take consecutive rows, so the stores of a warp are contiguous.
 template <typename T, int MT>
+__global__ void wide_x_image_kernel(const T* __restrict__ x, uint8_t* __restrict__ image, int64_t m, int64_t k,
+                                    int64_t tiles_k, int64_t blocks) {
+  using X = mma::WideWgmmaX<MT>;
+  constexpr int kRows = 8 * MT;
+  cuda::allow_dependent_launch();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= blocks) return;
+  const int r = static_cast<int>(i % kRows), s = static_cast<int>(i / kRows % 8);
+  const int64_t kc = i / (8 * kRows) % tiles_k, rb = i / (8 * kRows * tiles_k);
+  const int64_t row = rb * kRows + r, col = kc * kTileK + s * 16;
+  uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+  if (row < m && col < k) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + row * k + col);
+    lo = src[0];
+    hi = src[1];
+  }
+  uint8_t* dst = image + (rb * tiles_k + kc) * X::kStageBytes + (r / 8) * 128 + (r % 8) * 16;
+  *reinterpret_cast<uint4*>(dst + 2 * s * X::kLbo) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+  *reinterpret_cast<uint4*>(dst + (2 * s + 1) * X::kLbo) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+}
+
+// Bytes of the wide wgmma kernel's x image (0 for the mma.sync kernel).
+int64_t wide_image_bytes(int64_t m, int64_t k, int mt) {
+  return cuda::ceil_div(m, 8 * mt) * (padded_k(k) / kTileK) * (kTileK / 8) * 128 * mt;
+}
+
+// The wide kernel's MMAs: wgmma (x image pass + bulk copies; fewer
+// instructions per k-tile) or mma.sync (no extra pass). The extra launch
+// pays off on long GEMMs and with many rows of x; measured on an H100
+// (docs/PERF.md, Linear v11). LOWBIT_LINEAR_WIDE_WGMMA=0|1 forces either.
+bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
+  static const int forced = [] {
+    const char* v = std::getenv("LOWBIT_LINEAR_WIDE_WGMMA");
+    return v == nullptr ? -1 : v[0] == '1' ? 1 : 0;
+  }();
+  if (forced >= 0) return forced == 1;
+  const int64_t weights = n * k;
+  if (mt == 2) return weights >= (int64_t{1} << 26);
+  if (mt == 4) return n >= 7168 || k >= 7168;
+  return m > 64 || weights > (int64_t{1} << 23);
+}
+
+template <typename T, int MT, bool kWg>
 cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
-  constexpr int smem = sizeof(mma::WideSmem<T, MT>);
-  cudaError_t err = cuda::allow_dynamic_smem(linear_wide_kernel<T, MT>, smem);
+  constexpr int smem = kWg ? sizeof(mma::WideWgmmaSmem<T, MT>) : sizeof(mma::WideSmem<T, MT>);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_wide_kernel<T, MT, kWg>, smem);
   if (err != cudaSuccess) return err;
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, 8)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
                   unsigned(p.splits));
-  linear_wide_kernel<T, MT><<<grid, kThreads, smem, stream>>>(
-      static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-      static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
-  if ((err = cudaGetLastError()) != cudaSuccess || p.splits == 1) return err;
-  return launch_split_reduce<T>(a, p.splits, stream);
+  const int64_t per_split = cuda::ceil_div(tiles_k, p.splits);
+  LinearArgs reduce_args = a;  // the partials' place in the workspace
+  if constexpr (kWg) {
+    // The image first, then the GEMM as its dependent (its first W copies
+    // overlap the image pass); partials after the image in the workspace.
+    uint8_t* image = static_cast<uint8_t*>(a.workspace);
+    float* partials = reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
+    reduce_args.workspace = partials;
+    const int64_t blocks = int64_t(grid.y) * 8 * MT * tiles_k * 8;
+    wide_x_image_kernel<T, MT><<<unsigned(cuda::ceil_div(blocks, 256)), 256, 0, stream>>>(
+        static_cast<const T*>(a.x), image, a.m, a.k, tiles_k, blocks);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = cuda::launch_dependent(linear_wide_kernel<T, MT, kWg>, grid, dim3(kThreads), smem, stream,
+                                 reinterpret_cast<const T*>(image), a.weight, a.scale, a.global_scale,
+                                 static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n, a.k,
+                                 per_split);
+  } else {
+    linear_wide_kernel<T, MT, kWg><<<grid, kThreads, smem, stream>>>(
+        static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
+        static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, per_split);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess || p.splits == 1) return err;
+  return launch_split_reduce<T>(reduce_args, p.splits, stream);
 }
 
 template <typename T, int MT, int W>
@@ -354,8 +430,12 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
     case LinearPath::kNarrow:
       return p.mt == 1 ? launch_narrow<T, 1>(a, p, stream) : launch_narrow<T, 2>(a, p, stream);
     case LinearPath::kWide:
-      if (p.mt == 2) return launch_wide<T, 2>(a, p, stream);
-      return p.mt == 4 ? launch_wide<T, 4>(a, p, stream) : launch_wide<T, 8>(a, p, stream);
+      if (p.wide_wgmma) {
+        if (p.mt == 2) return launch_wide<T, 2, true>(a, p, stream);
+        return p.mt == 4 ? launch_wide<T, 4, true>(a, p, stream) : launch_wide<T, 8, true>(a, p, stream);
+      }
+      if (p.mt == 2) return launch_wide<T, 2, false>(a, p, stream);
+      return p.mt == 4 ? launch_wide<T, 4, false>(a, p, stream) : launch_wide<T, 8, false>(a, p, stream);
     case LinearPath::kWgmma:
       return linear_wgmma_cuda(a, p, stream);
     default:
@@ -492,6 +572,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
+    p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt);
     const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as MT 4
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t splits = 1; splits <= std::max<int64_t>(1, tiles_k / 4); ++splits) {
@@ -512,6 +593,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     return p;
   }
   p.workspace_bytes = p.splits > 1 ? p.splits * m * n * int64_t{sizeof(float)} : 0;
+  if (p.wide_wgmma) p.workspace_bytes += wide_image_bytes(m, k, p.mt);
   return p;
 }
 

@@ -61,7 +61,9 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     when the W tiles alone do not fill the SMs (M 9..16
 //                     with many W tiles: the wide kernel)
 //   M <= kWideMaxM    wide kernel: 128 W rows x 16, 32 or 64 x rows per CTA,
-//                     x in shared memory, split-K to fill the SMs
+//                     x in shared memory, split-K to fill the SMs; its MMAs
+//                     on wgmma after an x image pass, or on mma.sync where
+//                     the GEMM is too short to repay the extra launch
 //   M <= kWgmmaMaxM   wgmma kernel: 128 W rows x 256 tokens per CTA, W
 //                     decoded into shared memory by warps of its own, x by
 //                     TMA, K split over a cluster when the tiles are few
@@ -83,6 +85,7 @@ struct LinearPlan {
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
+  bool wide_wgmma;           // wide: wgmma after an x image pass, not mma.sync
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of

@@ -358,6 +358,142 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
 }
 
 
+// ---- wide CTA on warpgroup MMAs ----------------------------------------------
+// The wide CTA's shape (8 warps over 128 W rows, 8 MT rows of x per k-tile,
+// a ring of kWideStages<MT> k-tiles) with wgmma instead of mma.sync: each
+// warpgroup issues wgmma.m64n(8 MT)k16 with its 4 warps' decoded A
+// fragments in registers (the fragments the mma.sync loop builds; the
+// accumulators come out in the same layout) and x as the shared-memory
+// operand, read by the tensor cores once per 64 W rows. The MMAs of one half
+// k-tile run while the warp decodes the next.
+// The prepacked layout permutes K inside each 16-column block (lane t's A
+// registers hold columns 4t..4t+3 as the MMA's k 2t, 2t+1, 2t+8, 2t+9), so x
+// must reach shared memory in the MMA's order: word w (columns 2w, 2w+1) of
+// a block at the block's k-group w & 1, word w / 2. A pass before the GEMM
+// (the x image: gemm's wide_x_image_kernel) writes x in exactly the stage
+// layout, so one bulk copy per k-tile stages it and the warps spend no
+// instructions on x. Stage layout: K-major core matrices (8 rows x 8
+// columns, 128 bytes) of row group p and k-group c at c * kLbo + p * 128.
+template <int MT>
+struct WideWgmmaX {
+  static constexpr int kLbo = 128 * MT;
+  static constexpr int kStageBytes = (kTileK / 8) * kLbo;  // 16 k-groups
+};
+
+// Ring depths in k-tiles, x and W: as the mma.sync loop's. (Two x stages
+// beside four W stages, or two beside three, for three CTAs per SM at MT =
+// 8 measured slower: ptxas then serializes the MMAs for registers.)
+template <int MT> constexpr int kWgXStages = kWideStages<MT>;
+template <int MT> constexpr int kWgWStages = kWideStages<MT>;
+
+template <typename T, int MT>
+struct WideWgmmaSmem {
+  alignas(128) uint8_t x[kWgXStages<MT>][WideWgmmaX<MT>::kStageBytes];
+  uint4 w[kWgWStages<MT>][kWarps][kTileChunks];
+  uint64_t x_full[kWgXStages<MT>];  // a slot's x bytes have landed
+};
+
+// image: the x image of the CTA's row block at k-tile 0 (kStageBytes per
+// k-tile), written by the previous grid in the stream (this loop waits for
+// it after starting the first W copies). wtiles / stiles: this warp's W tile
+// row; every warp needs one, since all of a warpgroup's warps take part in
+// its MMAs (the caller points warps past N at any row and does not store
+// their output). Otherwise as wide_mainloop.
+template <typename T, int MT>
+__device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgmmaSmem<T, MT>& sm,
+                                                    const uint8_t* __restrict__ image,
+                                                    const uint4* __restrict__ wtiles,
+                                                    const uint4* __restrict__ stiles, int64_t kc_begin,
+                                                    int64_t kc_end) {
+  using X = WideWgmmaX<MT>;
+  constexpr int SX = kWgXStages<MT>, SW = kWgWStages<MT>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float(&d)[4 * MT] = reinterpret_cast<float(&)[4 * MT]>(acc);
+#pragma unroll
+  for (int i = 0; i < 4 * MT; ++i) d[i] = 0.f;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < SX; ++i) sm90::mbar_init(&sm.x_full[i], 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  const uint32_t x0 = sm90::smem_addr(&sm.x[0][0]);
+  // One cp.async group per k-tile for this warp's W tile (empty past the
+  // end), so wait_group counts stay uniform. Called for consecutive k-tiles
+  // from kc_begin: the sources advance one tile per call.
+  const uint4* wsrc = wtiles + kc_begin * (kTileBytes / 16) + lane;
+  const uint4* ssrc = stiles + kc_begin * (kTileScaleBytes / 16) + lane % (kTileScaleBytes / 16);
+  auto stage_w = [&](int64_t kc, int slot) {
+    if (kc < kc_end) {
+      cp_async16(&sm.w[slot][warp][lane], wsrc, true);
+      cp_async16(&sm.w[slot][warp][32 + lane], wsrc + 32, true);
+      if (lane < kTileScaleBytes / 16) cp_async16(&sm.w[slot][warp][64 + lane], ssrc, true);
+    }
+    cp_async_commit();
+    wsrc += kTileBytes / 16;
+    ssrc += kTileScaleBytes / 16;
+  };
+  auto stage_x = [&](int64_t kc, int slot) {  // thread 0
+    if (kc < kc_end) {
+      sm90::mbar_arrive_expect_tx(&sm.x_full[slot], X::kStageBytes);
+      sm90::bulk_copy_g2s(&sm.x[slot][0], image + kc * X::kStageBytes, X::kStageBytes, &sm.x_full[slot]);
+    }
+  };
+  // A fragments of k-steps 4 half .. 4 half + 3 of the W tile in the slot.
+  auto decode_half = [&](int slot, int half, uint32_t(&a)[4][4]) {
+    const uint4 wq = sm.w[slot][warp][32 * half + lane];
+    const uint4 sc = sm.w[slot][warp][64 + lane / 4];
+    const uint32_t w[4] = {wq.x, wq.y, wq.z, wq.w};
+    const uint32_t s[2] = {half ? sc.z : sc.x, half ? sc.w : sc.y};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) decode_fragment<T>(w[j], s[j / 2], 4 * half + j, a[j]);
+  };
+  auto issue_half = [&](int slot, int half, const uint32_t(&a)[4][4]) {
+    const uint32_t xs = x0 + slot * X::kStageBytes;
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      sm90::WgmmaRs<T, 8 * MT>::run(d, a[j],
+                                    sm90::desc_k_major_interleave(xs + 2 * (4 * half + j) * X::kLbo, X::kLbo, 128));
+    sm90::wgmma_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < SW - 1; ++i) stage_w(kc_begin + i, i);
+  cuda::wait_for_previous_grid();  // the x image
+  if (threadIdx.x == 0)
+#pragma unroll
+    for (int i = 0; i < SX - 1; ++i) stage_x(kc_begin + i, i);
+  uint32_t a0[4][4], a1[4][4];
+  int ws = 0, wfill = SW - 1;  // W slots of k-tiles kc and kc + SW - 1
+  int xs = 0, xfill = SX - 1;  // x slots of k-tiles kc and kc + SX - 1
+  uint32_t parity = 0;         // of x slot xs's barrier phase for k-tile kc
+  for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
+    cp_async_wait<SW - 2>();  // this thread's W copies of tile kc have landed
+    __syncwarp();             // and every lane's of the warp
+    sm90::wgmma_wait<1>();    // the previous tile's first half is done with a0
+    decode_half(ws, 0, a0);
+    sm90::wgmma_wait<0>();  // and its second half with a1 and its x slot
+    sm90::mbar_wait(&sm.x_full[xs], parity);
+    __syncthreads();  // no MMA of the CTA reads tile kc - 1's slots any more
+    stage_w(kc + SW - 1, wfill);
+    if (threadIdx.x == 0) stage_x(kc + SX - 1, xfill);
+    issue_half(xs, 0, a0);
+    decode_half(ws, 1, a1);
+    issue_half(xs, 1, a1);
+    wfill = ws;
+    ws = ws + 1 == SW ? 0 : ws + 1;
+    xfill = xs;
+    if (++xs == SX) {
+      xs = 0;
+      parity ^= 1u;
+    }
+  }
+  sm90::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 4 * MT; ++i) sm90::fence_operand(d[i]);
+  cp_async_wait<0>();
+}
+
 // ---- streaming warps (at most 8 rows of x) -----------------------------------
 // The narrow kernels' main loop for 1-8 rows of x: each warp streams its
 // k-tiles (codes, scales and the x rows of the same 128 columns) through a

@@ -53,6 +53,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, i
       : "memory");
 }
 
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
+// shared memory, completing as transactions on bar.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
 // Orders this thread's ordinary shared-memory writes before later reads of
 // the async proxy (wgmma operands, tensor copies).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -195,6 +204,55 @@ template <> struct Wgmma<__half> {
     LOWBIT_WGMMA_M64N128K16_SS("f16");
   }
 };
+// d (64 x N, FP32) += a (64 x 16) * b (16 x N) with a in registers and b
+// K-major in shared memory (descriptor), N = 16, 32 or 64 (a swapped-AB
+// GEMM's W rows as a, its few x rows as b). a: this warp's 16 rows (16 (warp
+// % 4) .. + 15) in the mma.m16n8k16 A-fragment layout; d[4j + 2h + e] is row
+// 16 (warp % 4) + lane / 4 + 8h, column 8j + 2 (lane % 4) + e, the layout of
+// N / 8 stacked mma.m16n8k16 accumulators.
+#define LOWBIT_WGMMA_RS(SHAPE, TYPE, DREGS, AREGS, BREG, PREG, ...)                                        \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " PREG ", 0;\n wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE \
+               "." TYPE " {" DREGS "}, {" AREGS "}, " BREG ", p, 1, 1, 0;\n}"                                    \
+               : __VA_ARGS__                                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1u))
+template <typename T, int N> struct WgmmaRs;
+template <> struct WgmmaRs<__nv_bfloat16, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n16k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "%13",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]));
+  }
+};
+template <> struct WgmmaRs<__nv_bfloat16, 32> {
+  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n32k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16, %17, %18, %19", "%20", "%21",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]));
+  }
+};
+template <> struct WgmmaRs<__nv_bfloat16, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n64k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32, %33, %34, %35", "%36", "%37",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]));
+  }
+};
+template <> struct WgmmaRs<__half, 16> {
+  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n16k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "%13",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]));
+  }
+};
+template <> struct WgmmaRs<__half, 32> {
+  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n32k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15", "%16, %17, %18, %19", "%20", "%21",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]));
+  }
+};
+template <> struct WgmmaRs<__half, 64> {
+  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+    LOWBIT_WGMMA_RS("m64n64k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", "%32, %33, %34, %35", "%36", "%37",
+                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]));
+  }
+};
+#undef LOWBIT_WGMMA_RS
 #undef LOWBIT_WGMMA_M64N256K16_SS
 #undef LOWBIT_WGMMA_M64N128K16_SS
 #undef LOWBIT_WGMMA_D64_OPERANDS

@@ -324,6 +324,32 @@ def test_cuda_wgmma_edges(dtype, n, k, ms):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_wide_wgmma_edges(dtype):
+    # On an H100 (gemm::linear_plan) every M here runs the wide kernel on
+    # wgmma: 67M weights take it at 16 rows of x (3 m-tile pairs: MT = 2),
+    # N >= 7168 at 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two
+    # row blocks. N / 16 = 449 W tiles: the last CTA has one warp with a
+    # tile (the other seven decode a stand-in tile); K = 585 * 16 leaves the
+    # last k-tile partial.
+    n, k = 16 * 449, 16 * 585
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q = lowbit.nvfp4_quantize(w)
+    pw, ps = lowbit.nvfp4_prepack(q.packed, q.block_scale)
+    deq = lowbit.nvfp4_dequantize(q.packed, q.block_scale, q.global_scale, torch.float32)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    for m in (12, 16, 17, 32, 33, 64, 65, 128):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        for b in (None, bias):
+            y = lowbit.nvfp4_linear(x, pw, ps, q.global_scale, b)
+            want = x.float() @ deq.T + (0 if b is None else b.float())
+            assert torch.isfinite(y).all()
+            assert rel_err(y, want) <= REL_TOL, m
+        assert torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, q.global_scale, bias))  # deterministic
+
+
+@cuda
 @pytest.mark.parametrize("n", [16 * 1400, 16 * 1152, 16 * 700, 16 * 350])
 def test_cuda_small_m_kernel_shapes(n):
     # On a 132-SM H100 (gemm::linear_plan): at M <= 4 these N put 1, 2 and 4
