@@ -64,6 +64,24 @@ template <> struct Mma<__nv_bfloat16> {
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
   }
+  // a times b's low (h0) or high (h1) half in both halves: ptxas folds the
+  // broadcast into the multiply's operand (HMUL2 ... R.H0_H0).
+  __device__ __forceinline__ static uint32_t mul_h0(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {l, l};\n"
+        " mul.rn.bf16x2 %0, %1, m;\n}"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static uint32_t mul_h1(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {h, h};\n"
+        " mul.rn.bf16x2 %0, %1, m;\n}"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+    return d;
+  }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -87,6 +105,22 @@ template <> struct Mma<__half> {
   __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
     uint32_t d;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static uint32_t mul_h0(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {l, l};\n"
+        " mul.rn.f16x2 %0, %1, m;\n}"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+    return d;
+  }
+  __device__ __forceinline__ static uint32_t mul_h1(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {h, h};\n"
+        " mul.rn.f16x2 %0, %1, m;\n}"
+        : "=r"(d)
+        : "r"(a), "r"(b));
     return d;
   }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -166,19 +200,52 @@ __device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt,
   a[3] = Mma<T>::mul(a[3], mult_hi);
 }
 
-// One 128-column tile, shared by both main loops: this lane's A fragment of
-// k-tile kt decoded from its code word w[kt] and scale word s[kt / 2], then
-// one mma per m-tile with the B fragment b_of(mt, kt) (a uint2 of x).
-template <typename T, int MT, typename BOf>
+// The A fragments of k-tiles kt and kt + 1 (kt even), which share the scale
+// word sw: as decode_fragment, but the multipliers of both are built at once
+// (row g's two scales in one register, row g + 8's in another) and each
+// multiply takes its half: 4 instructions for the multipliers, not 8.
+template <typename T>
+__device__ __forceinline__ void decode_fragment_pair(uint32_t w0, uint32_t w1, uint32_t sw, uint32_t (&a)[2][4]) {
+  Mma<T>::decode(w0, a[0]);
+  Mma<T>::decode(w1, a[1]);
+  const uint32_t mult_lo = Mma<T>::multiplier(sw, 0x2200u);  // row g: k-tile kt in h0, kt + 1 in h1
+  const uint32_t mult_hi = Mma<T>::multiplier(sw, 0x3311u);  // row g + 8
+  a[0][0] = Mma<T>::mul_h0(a[0][0], mult_lo);
+  a[0][1] = Mma<T>::mul_h0(a[0][1], mult_hi);
+  a[0][2] = Mma<T>::mul_h0(a[0][2], mult_lo);
+  a[0][3] = Mma<T>::mul_h0(a[0][3], mult_hi);
+  a[1][0] = Mma<T>::mul_h1(a[1][0], mult_lo);
+  a[1][1] = Mma<T>::mul_h1(a[1][1], mult_hi);
+  a[1][2] = Mma<T>::mul_h1(a[1][2], mult_lo);
+  a[1][3] = Mma<T>::mul_h1(a[1][3], mult_hi);
+}
+
+// One 128-column tile, shared by the mma.sync main loops: this lane's A
+// fragments of k-tiles kt, kt + 1 decoded from code words w[kt], w[kt + 1]
+// and scale word s[kt / 2] (kPairs; one at a time otherwise: the stream
+// loop, whose 64-register budget the pairs' 4 extra registers would spill),
+// then one mma per k-tile and m-tile with the B fragment b_of(mt, kt) (a
+// uint2 of x).
+template <typename T, int MT, bool kPairs = true, typename BOf>
 __device__ __forceinline__ void mma_tile(const uint32_t* w, const uint32_t* s, BOf&& b_of, float (&acc)[MT][4]) {
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    uint32_t a[4];
-    decode_fragment<T>(w[kt], s[kt / 2], kt, a);
+  for (int kt = 0; kt < 8; kt += 2) {
+    uint32_t a[2][4];
+    if constexpr (kPairs) {
+      decode_fragment_pair<T>(w[kt], w[kt + 1], s[kt / 2], a);
+    } else {
+      decode_fragment<T>(w[kt], s[kt / 2], kt, a[0]);
+    }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const uint2 b = b_of(mt, kt);
-      Mma<T>::mma(acc[mt], a, b.x, b.y);
+    for (int i = 0; i < 2; ++i) {
+      if constexpr (!kPairs) {
+        if (i == 1) decode_fragment<T>(w[kt + 1], s[kt / 2], kt + 1, a[1]);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint2 b = b_of(mt, kt + i);
+        Mma<T>::mma(acc[mt], a[i], b.x, b.y);
+      }
     }
   }
 }
@@ -444,17 +511,17 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
     const uint4 wq = sm.w[slot][warp][32 * half + lane];
     const uint4 sc = sm.w[slot][warp][64 + lane / 4];
     const uint32_t w[4] = {wq.x, wq.y, wq.z, wq.w};
-    const uint32_t s[2] = {half ? sc.z : sc.x, half ? sc.w : sc.y};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) decode_fragment<T>(w[j], s[j / 2], 4 * half + j, a[j]);
+    decode_fragment_pair<T>(w[0], w[1], half ? sc.z : sc.x, reinterpret_cast<uint32_t(&)[2][4]>(a[0]));
+    decode_fragment_pair<T>(w[2], w[3], half ? sc.w : sc.y, reinterpret_cast<uint32_t(&)[2][4]>(a[2]));
   };
+  // Descriptors differ only in the start address (bits 0..13, in 16-byte
+  // units, no carry: shared memory is below 256 KB): one add per MMA.
+  const uint64_t desc0 = sm90::desc_k_major_interleave(x0, X::kLbo, 128);
   auto issue_half = [&](int slot, int half, const uint32_t(&a)[4][4]) {
-    const uint32_t xs = x0 + slot * X::kStageBytes;
+    const uint64_t desc = desc0 + static_cast<uint32_t>(slot * (X::kStageBytes / 16));
     sm90::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      sm90::WgmmaRs<T, 8 * MT>::run(d, a[j],
-                                    sm90::desc_k_major_interleave(xs + 2 * (4 * half + j) * X::kLbo, X::kLbo, 128));
+    for (int j = 0; j < 4; ++j) sm90::WgmmaRs<T, 8 * MT>::run(d, a[j], desc + 2 * (4 * half + j) * (X::kLbo / 16));
     sm90::wgmma_commit();
   };
 #pragma unroll
@@ -587,7 +654,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     __syncwarp();
     const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
-    mma_tile<T, 1>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+    mma_tile<T, 1, false>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
     slot = slot + 1 == kStreamStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
