@@ -1,8 +1,10 @@
 // Host-side CUDA helpers (device properties, kernel attributes).
 #include "lowbit/cuda_utils.cuh"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 namespace lowbit::cuda {
@@ -40,6 +42,35 @@ cudaError_t allow_dynamic_smem(const void* kernel, int bytes) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess) set = bytes;
   return err;
+}
+
+int64_t resident_clusters(const void* kernel, int threads, int smem, int cluster) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int>, int64_t> cached;  // (kernel, device, cluster)
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
+  const std::lock_guard<std::mutex> lock(mutex);
+  int64_t& slot = cached[{kernel, dev, cluster}];
+  if (slot > 0) return slot;
+  int clusters = 0;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(cluster), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
+    cudaGetLastError();  // no cluster query on this device: assume one CTA per SM
+    clusters = num_sms() / cluster;
+  }
+  slot = std::max(1, clusters);
+  return slot;
 }
 
 }  // namespace lowbit::cuda

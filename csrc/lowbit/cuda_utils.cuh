@@ -124,6 +124,16 @@ cudaError_t allow_dynamic_smem(void (*kernel)(Params...), int bytes) {
   return allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
+// How many clusters of `cluster` CTAs (threads and `smem` dynamic shared
+// memory bytes each) of `kernel` the current device runs at once: a cluster
+// needs its SMs in one GPC, so large clusters of large CTAs fit fewer times
+// than the SMs alone say. Cached per kernel, device and cluster size.
+int64_t resident_clusters(const void* kernel, int threads, int smem, int cluster);
+template <typename... Params>
+int64_t resident_clusters(void (*kernel)(Params...), int threads, int smem, int cluster) {
+  return resident_clusters(reinterpret_cast<const void*>(kernel), threads, smem, cluster);
+}
+
 LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace lowbit::cuda

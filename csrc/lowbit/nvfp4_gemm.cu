@@ -226,6 +226,57 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
 template <int MT> constexpr int kWideCtasPerSm = MT <= 4 ? 3 : 2;
 static_assert(kWideCtasPerSm<2> == kWideCtasPerSm<4>, "linear_plan counts MT = 2 CTAs as MT = 4 ones");
 
+// The wgmma wide kernel's K splits form a cluster (1, 1, splits): each CTA
+// dumps its FP32 tile [8 MT x rows][128 W rows] into its shared memory (the
+// ring, done with), and after a cluster barrier rank r adds the splits'
+// values in rank order for units r, r + splits, ... (4 W rows of one x row),
+// reading the others' dumps through distributed shared memory, and stores
+// them: deterministic, and no partials through HBM (at M = 64 on 7168 x
+// 18432, three splits wrote and read 28 MB) and no reduce launch.
+constexpr int kWideMaxSplits = 8;  // portable cluster size
+constexpr int kDumpStride = kWarps * kTileN + 4;  // floats per x row: 4-word skew, conflict-free dump
+template <typename T, int MT>
+__device__ __forceinline__ void wide_cluster_finish(const float (&acc)[MT][4], float* dump, int64_t m0, int64_t o0,
+                                                    int64_t m, int64_t n, const float* __restrict__ global_scale,
+                                                    const T* __restrict__ bias, T* __restrict__ out) {
+  static_assert(8 * MT * kDumpStride * 4 <= sizeof(mma::WideWgmmaSmem<T, MT>), "the dump reuses the ring");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  __syncthreads();  // every warp is past its last read of the ring
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dump[(8 * mt + 2 * tq + (i & 1)) * kDumpStride + 16 * warp + g + 8 * (i >> 1)] = acc[mt][i];
+  sm90::cluster_sync();
+  const int splits = static_cast<int>(gridDim.z), rank = static_cast<int>(sm90::cluster_rank());
+  const float scale = __ldg(global_scale) * kDecodeUnscale;
+  for (int u = rank * kThreads + static_cast<int>(threadIdx.x); u < 8 * MT * 32; u += splits * kThreads) {
+    const int r = u / 32, q = u % 32;
+    const float* src = dump + r * kDumpStride + 4 * q;
+    float4 part[kWideMaxSplits];
+#pragma unroll
+    for (int sp = 0; sp < kWideMaxSplits; ++sp)
+      if (sp < splits) part[sp] = sm90::ld_shared_cluster_f4(src, sp);  // all loads in flight first
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int sp = 0; sp < kWideMaxSplits; ++sp)
+      if (sp < splits) {
+        v[0] += part[sp].x;
+        v[1] += part[sp].y;
+        v[2] += part[sp].z;
+        v[3] += part[sp].w;
+      }
+    const int64_t row = m0 + r, o = o0 + 4 * q;
+    if (row >= m || o >= n) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float y = v[e] * scale;
+      if (bias) y += cuda::to_float(bias[o + e]);
+      out[row * n + o + e] = cuda::from_float<T>(y);
+    }
+  }
+  sm90::cluster_sync();  // no CTA leaves while another reads its dump
+}
+
 template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
@@ -248,6 +299,11 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
         reinterpret_cast<const uint8_t*>(x) + blockIdx.y * tiles_k * mma::WideWgmmaX<MT>::kStageBytes;
     auto& sm = *reinterpret_cast<mma::WideWgmmaSmem<T, MT>*>(wide_smem);
     mma::wide_wgmma_mainloop<T, MT>(acc, sm, image, wtiles, stiles, kc0, kc1);
+    if (gridDim.z > 1 && partials == nullptr) {  // splits in a cluster
+      wide_cluster_finish<T, MT>(acc, reinterpret_cast<float*>(wide_smem), m0, int64_t(blockIdx.x) * 8 * kTileN, m, n,
+                                 global_scale, bias, out);
+      return;
+    }
   } else {
     const T* xsrc[MT / 2];
 #pragma unroll
@@ -347,21 +403,38 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
   const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, 8)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
                   unsigned(p.splits));
   const int64_t per_split = cuda::ceil_div(tiles_k, p.splits);
-  LinearArgs reduce_args = a;  // the partials' place in the workspace
   if constexpr (kWg) {
-    // The image first, then the GEMM as its dependent (its first W copies
-    // overlap the image pass); partials after the image in the workspace.
+    // The image (the workspace) first, then the GEMM as its dependent: its
+    // first W copies overlap the image pass.
     uint8_t* image = static_cast<uint8_t*>(a.workspace);
-    float* partials = reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
-    reduce_args.workspace = partials;
     const int64_t blocks = int64_t(grid.y) * 8 * MT * tiles_k * 8;
     wide_x_image_kernel<T, MT><<<unsigned(cuda::ceil_div(blocks, 256)), 256, 0, stream>>>(
         static_cast<const T*>(a.x), image, a.m, a.k, tiles_k, blocks);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    err = cuda::launch_dependent(linear_wide_kernel<T, MT, kWg>, grid, dim3(kThreads), smem, stream,
-                                 reinterpret_cast<const T*>(image), a.weight, a.scale, a.global_scale,
-                                 static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n, a.k,
-                                 per_split);
+    // K splits: one cluster per tile, added in the kernel (wide_cluster_finish),
+    // or FP32 partials after the image, added by split_reduce_kernel.
+    float* partials = p.wide_cluster ? nullptr : reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 1;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = p.wide_cluster ? grid.z : 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 2;
+    err = cudaLaunchKernelEx(&config, linear_wide_kernel<T, MT, kWg>, reinterpret_cast<const T*>(image), a.weight,
+                             a.scale, a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials,
+                             a.m, a.n, a.k, per_split);
+    if (err != cudaSuccess || p.splits == 1 || p.wide_cluster) return err;
+    LinearArgs reduce_args = a;
+    reduce_args.workspace = partials;
+    return launch_split_reduce<T>(reduce_args, p.splits, stream);
   } else {
     linear_wide_kernel<T, MT, kWg><<<grid, kThreads, smem, stream>>>(
         static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
@@ -369,7 +442,7 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
     err = cudaGetLastError();
   }
   if (err != cudaSuccess || p.splits == 1) return err;
-  return launch_split_reduce<T>(reduce_args, p.splits, stream);
+  return launch_split_reduce<T>(a, p.splits, stream);
 }
 
 template <typename T, int MT, int W>
@@ -524,6 +597,22 @@ int forced_path() {
 }
 }  // namespace
 
+namespace {
+// CTAs of the wgmma wide kernel (MT) the device runs at once in clusters of
+// `splits`.
+template <int MT>
+int64_t wide_wgmma_resident_clusters(int splits) {
+  using T = __nv_bfloat16;  // fp16 takes the same resources
+  return cuda::resident_clusters(linear_wide_kernel<T, MT, true>, kThreads, sizeof(mma::WideWgmmaSmem<T, MT>), splits);
+}
+int64_t wide_wgmma_resident_ctas(int mt, int splits) {
+  const int64_t clusters = mt == 2   ? wide_wgmma_resident_clusters<2>(splits)
+                           : mt == 4 ? wide_wgmma_resident_clusters<4>(splits)
+                                     : wide_wgmma_resident_clusters<8>(splits);
+  return clusters * splits;
+}
+}  // namespace
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -570,14 +659,24 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // for a CTA's pipeline fill, epilogue and partials. Fitted on H100 runs
     // (docs/PERF.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
     // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
+    // On wgmma with many W blocks (N >= 8192) the splits of a tile are a
+    // cluster (at most 8) that adds them in the kernel, and a wave is as
+    // many clusters as the device runs at once; with fewer W blocks the
+    // splits needed are many and large clusters fit badly, so they write
+    // partials (docs/PERF.md, Linear v11).
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
     p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt);
-    const int64_t resident = (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as MT 4
+    p.wide_cluster = p.wide_wgmma && n >= 8192;
+    const int64_t max_splits = std::max<int64_t>(1, p.wide_cluster ? std::min<int64_t>(kWideMaxSplits, tiles_k / 4)
+                                                                   : tiles_k / 4);
     int64_t best = 1, best_cost = INT64_MAX;
-    for (int64_t splits = 1; splits <= std::max<int64_t>(1, tiles_k / 4); ++splits) {
+    for (int64_t splits = 1; splits <= max_splits; ++splits) {
       const int64_t per = cuda::ceil_div(tiles_k, splits);
-      const int64_t cost = cuda::ceil_div(ctas * cuda::ceil_div(tiles_k, per), resident) * (per + 6);
+      const int64_t used = cuda::ceil_div(tiles_k, per);  // no empty split
+      const int64_t resident = p.wide_cluster ? wide_wgmma_resident_ctas(p.mt, static_cast<int>(used))
+                                            : (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as 4
+      const int64_t cost = cuda::ceil_div(ctas * used, resident) * (per + 6);
       if (cost < best_cost) {
         best = splits;
         best_cost = cost;
@@ -592,8 +691,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.splits = 1;
     return p;
   }
-  p.workspace_bytes = p.splits > 1 ? p.splits * m * n * int64_t{sizeof(float)} : 0;
-  if (p.wide_wgmma) p.workspace_bytes += wide_image_bytes(m, k, p.mt);
+  p.workspace_bytes = p.splits > 1 && !p.wide_cluster ? p.splits * m * n * int64_t{sizeof(float)} : 0;
+  if (p.wide_wgmma) p.workspace_bytes += wide_image_bytes(m, k, p.mt);  // the image, then any partials
   return p;
 }
 

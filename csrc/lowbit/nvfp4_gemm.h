@@ -86,6 +86,7 @@ struct LinearPlan {
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
   bool wide_wgmma;           // wide: wgmma after an x image pass, not mma.sync
+  bool wide_cluster;         // wide on wgmma: K splits added in a cluster, not through partials
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of

@@ -442,37 +442,11 @@ cudaError_t launch(const Maps& maps, const Problem& problem, int64_t k, int spli
 }
 
 // How many clusters of `splits` CTAs of the NT kernel the device runs at
-// once: one CTA per SM, and a cluster needs its SMs in one GPC, so the
-// larger clusters fit fewer than SMs / splits times. Cached per device.
+// once (one CTA per SM; cuda::resident_clusters).
 template <int NT, typename Problem>
 int64_t resident_clusters(int splits) {
-  constexpr int kMaxDevices = 64;
-  static int64_t cache[kMaxDevices][kMaxSplits + 1] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) device = 0;
-  int64_t& slot = cache[device][splits];
-  if (slot > 0) return slot;
   using C = Config<NT>;
-  auto kernel = gemm_kernel<__nv_bfloat16, NT, Problem>;
-  int clusters = 0;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(splits), 1, 1);
-  config.blockDim = dim3(C::kThreads);
-  config.dynamicSmemBytes = C::kSmemBytes;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  if (cuda::allow_dynamic_smem(kernel, C::kSmemBytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess || clusters <= 0) {
-    cudaGetLastError();  // no cluster query on this device: assume every SM
-    clusters = static_cast<int>(cuda::num_sms() / splits);
-  }
-  slot = std::max(1, clusters);
-  return slot;
+  return cuda::resident_clusters(gemm_kernel<__nv_bfloat16, NT, Problem>, C::kThreads, C::kSmemBytes, splits);
 }
 
 }  // namespace lowbit::nvfp4::gemm::wgmma

@@ -325,14 +325,16 @@ def test_cuda_wgmma_edges(dtype, n, k, ms):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_wide_wgmma_edges(dtype):
+@pytest.mark.parametrize("n", [16 * 449, 16 * 521])
+def test_cuda_wide_wgmma_edges(dtype, n):
     # On an H100 (gemm::linear_plan) every M here runs the wide kernel on
-    # wgmma: 67M weights take it at 16 rows of x (3 m-tile pairs: MT = 2),
-    # N >= 7168 at 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two
-    # row blocks. N / 16 = 449 W tiles: the last CTA has one warp with a
-    # tile (the other seven decode a stand-in tile); K = 585 * 16 leaves the
-    # last k-tile partial.
-    n, k = 16 * 449, 16 * 585
+    # wgmma: over 2^26 weights take it at 9..16 rows of x (MT = 2), N >= 7168
+    # at 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two row
+    # blocks. K splits go through partials at N = 7184 and add up in a
+    # cluster at N = 8336 (>= 8192). N / 16 = 449 or 521 W tiles: the last
+    # CTA has one warp with a tile (the other seven decode a stand-in tile);
+    # K = 585 * 16 leaves the last k-tile partial.
+    k = 16 * 585
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda") * 0.02
     q = lowbit.nvfp4_quantize(w)
