@@ -245,7 +245,8 @@ __device__ __forceinline__ void wide_cluster_finish(const float (&acc)[MT][4], f
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dump[(8 * mt + 2 * tq + (i & 1)) * kDumpStride + 16 * warp + g + 8 * (i >> 1)] = acc[mt][i];
+    for (int i = 0; i < 4; ++i)  // acc[mt][i]: W row 16 warp + g (+ 8 for i >= 2), x row 8 mt + 2 tq + i % 2
+      dump[(8 * mt + 2 * tq + (i & 1)) * kDumpStride + 16 * warp + g + 8 * (i >> 1)] = acc[mt][i];
   sm90::cluster_sync();
   const int splits = static_cast<int>(gridDim.z), rank = static_cast<int>(sm90::cluster_rank());
   const float scale = __ldg(global_scale) * kDecodeUnscale;

@@ -447,17 +447,14 @@ struct WideWgmmaX {
   static constexpr int kStageBytes = (kTileK / 8) * kLbo;  // 16 k-groups
 };
 
-// Ring depths in k-tiles, x and W: as the mma.sync loop's. (Two x stages
-// beside four W stages, or two beside three, for three CTAs per SM at MT =
-// 8 measured slower: ptxas then serializes the MMAs for registers.)
-template <int MT> constexpr int kWgXStages = kWideStages<MT>;
-template <int MT> constexpr int kWgWStages = kWideStages<MT>;
-
+// The ring is kWideStages<MT> deep, as the mma.sync loop's. (Two x stages
+// beside three or four W stages, for three CTAs per SM at MT = 8, measured
+// slower: ptxas then serializes the MMAs for registers.)
 template <typename T, int MT>
 struct WideWgmmaSmem {
-  alignas(128) uint8_t x[kWgXStages<MT>][WideWgmmaX<MT>::kStageBytes];
-  uint4 w[kWgWStages<MT>][kWarps][kTileChunks];
-  uint64_t x_full[kWgXStages<MT>];  // a slot's x bytes have landed
+  alignas(128) uint8_t x[kWideStages<MT>][WideWgmmaX<MT>::kStageBytes];
+  uint4 w[kWideStages<MT>][kWarps][kTileChunks];
+  uint64_t x_full[kWideStages<MT>];  // a slot's x bytes have landed
 };
 
 // image: the x image of the CTA's row block at k-tile 0 (kStageBytes per
@@ -473,14 +470,14 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
                                                     const uint4* __restrict__ stiles, int64_t kc_begin,
                                                     int64_t kc_end) {
   using X = WideWgmmaX<MT>;
-  constexpr int SX = kWgXStages<MT>, SW = kWgWStages<MT>;
+  constexpr int S = kWideStages<MT>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float(&d)[4 * MT] = reinterpret_cast<float(&)[4 * MT]>(acc);
 #pragma unroll
   for (int i = 0; i < 4 * MT; ++i) d[i] = 0.f;
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int i = 0; i < SX; ++i) sm90::mbar_init(&sm.x_full[i], 1);
+    for (int i = 0; i < S; ++i) sm90::mbar_init(&sm.x_full[i], 1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
@@ -525,33 +522,30 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
     sm90::wgmma_commit();
   };
 #pragma unroll
-  for (int i = 0; i < SW - 1; ++i) stage_w(kc_begin + i, i);
+  for (int i = 0; i < S - 1; ++i) stage_w(kc_begin + i, i);
   cuda::wait_for_previous_grid();  // the x image
   if (threadIdx.x == 0)
 #pragma unroll
-    for (int i = 0; i < SX - 1; ++i) stage_x(kc_begin + i, i);
+    for (int i = 0; i < S - 1; ++i) stage_x(kc_begin + i, i);
   uint32_t a0[4][4], a1[4][4];
-  int ws = 0, wfill = SW - 1;  // W slots of k-tiles kc and kc + SW - 1
-  int xs = 0, xfill = SX - 1;  // x slots of k-tiles kc and kc + SX - 1
-  uint32_t parity = 0;         // of x slot xs's barrier phase for k-tile kc
+  int slot = 0, fill = S - 1;  // slots of k-tiles kc and kc + S - 1
+  uint32_t parity = 0;         // of slot's x barrier phase for k-tile kc
   for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
-    cp_async_wait<SW - 2>();  // this thread's W copies of tile kc have landed
-    __syncwarp();             // and every lane's of the warp
-    sm90::wgmma_wait<1>();    // the previous tile's first half is done with a0
-    decode_half(ws, 0, a0);
-    sm90::wgmma_wait<0>();  // and its second half with a1 and its x slot
-    sm90::mbar_wait(&sm.x_full[xs], parity);
-    __syncthreads();  // no MMA of the CTA reads tile kc - 1's slots any more
-    stage_w(kc + SW - 1, wfill);
-    if (threadIdx.x == 0) stage_x(kc + SX - 1, xfill);
-    issue_half(xs, 0, a0);
-    decode_half(ws, 1, a1);
-    issue_half(xs, 1, a1);
-    wfill = ws;
-    ws = ws + 1 == SW ? 0 : ws + 1;
-    xfill = xs;
-    if (++xs == SX) {
-      xs = 0;
+    cp_async_wait<S - 2>();  // this thread's W copies of tile kc have landed
+    __syncwarp();            // and every lane's of the warp
+    sm90::wgmma_wait<1>();   // the previous tile's first half is done with a0
+    decode_half(slot, 0, a0);
+    sm90::wgmma_wait<0>();  // and its second half with a1 and its x
+    sm90::mbar_wait(&sm.x_full[slot], parity);
+    __syncthreads();  // no MMA of the CTA reads tile kc - 1's slot any more
+    stage_w(kc + S - 1, fill);
+    if (threadIdx.x == 0) stage_x(kc + S - 1, fill);
+    issue_half(slot, 0, a0);
+    decode_half(slot, 1, a1);
+    issue_half(slot, 1, a1);
+    fill = slot;
+    if (++slot == S) {
+      slot = 0;
       parity ^= 1u;
     }
   }
