@@ -374,7 +374,7 @@ __global__ void wide_x_image_kernel(const T* __restrict__ x, uint8_t* __restrict
   *reinterpret_cast<uint4*>(dst + (2 * s + 1) * X::kLbo) = make_uint4(lo.y, lo.w, hi.y, hi.w);
 }
 
-// Bytes of the wide wgmma kernel's x image (0 for the mma.sync kernel).
+// Bytes of the wide wgmma kernel's x image: a stage per row block and k-tile.
 int64_t wide_image_bytes(int64_t m, int64_t k, int mt) {
   return cuda::ceil_div(m, 8 * mt) * (padded_k(k) / kTileK) * (kTileK / 8) * 128 * mt;
 }
