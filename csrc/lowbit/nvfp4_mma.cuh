@@ -64,24 +64,6 @@ template <> struct Mma<__nv_bfloat16> {
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
   }
-  // a times b's low (h0) or high (h1) half in both halves: ptxas folds the
-  // broadcast into the multiply's operand (HMUL2 ... R.H0_H0).
-  __device__ __forceinline__ static uint32_t mul_h0(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {l, l};\n"
-        " mul.rn.bf16x2 %0, %1, m;\n}"
-        : "=r"(d)
-        : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ __forceinline__ static uint32_t mul_h1(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {h, h};\n"
-        " mul.rn.bf16x2 %0, %1, m;\n}"
-        : "=r"(d)
-        : "r"(a), "r"(b));
-    return d;
-  }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -105,22 +87,6 @@ template <> struct Mma<__half> {
   __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
     uint32_t d;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ __forceinline__ static uint32_t mul_h0(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {l, l};\n"
-        " mul.rn.f16x2 %0, %1, m;\n}"
-        : "=r"(d)
-        : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ __forceinline__ static uint32_t mul_h1(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("{\n .reg .b16 l, h;\n .reg .b32 m;\n mov.b32 {l, h}, %2;\n mov.b32 m, {h, h};\n"
-        " mul.rn.f16x2 %0, %1, m;\n}"
-        : "=r"(d)
-        : "r"(a), "r"(b));
     return d;
   }
   __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -200,6 +166,19 @@ __device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt,
   a[3] = Mma<T>::mul(a[3], mult_hi);
 }
 
+// b's low (kHigh false) or high half in both halves. Feeding a multiply,
+// ptxas folds it into the operand (HMUL2 ... R.H0_H0): no instruction.
+template <bool kHigh>
+__device__ __forceinline__ uint32_t half_broadcast(uint32_t b) {
+  uint32_t m;
+  if constexpr (kHigh) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {h, h};\n}" : "=r"(m) : "r"(b));
+  } else {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {l, l};\n}" : "=r"(m) : "r"(b));
+  }
+  return m;
+}
+
 // The A fragments of k-tiles kt and kt + 1 (kt even), which share the scale
 // word sw: as decode_fragment, but the multipliers of both are built at once
 // (row g's two scales in one register, row g + 8's in another) and each
@@ -210,14 +189,15 @@ __device__ __forceinline__ void decode_fragment_pair(uint32_t w0, uint32_t w1, u
   Mma<T>::decode(w1, a[1]);
   const uint32_t mult_lo = Mma<T>::multiplier(sw, 0x2200u);  // row g: k-tile kt in h0, kt + 1 in h1
   const uint32_t mult_hi = Mma<T>::multiplier(sw, 0x3311u);  // row g + 8
-  a[0][0] = Mma<T>::mul_h0(a[0][0], mult_lo);
-  a[0][1] = Mma<T>::mul_h0(a[0][1], mult_hi);
-  a[0][2] = Mma<T>::mul_h0(a[0][2], mult_lo);
-  a[0][3] = Mma<T>::mul_h0(a[0][3], mult_hi);
-  a[1][0] = Mma<T>::mul_h1(a[1][0], mult_lo);
-  a[1][1] = Mma<T>::mul_h1(a[1][1], mult_hi);
-  a[1][2] = Mma<T>::mul_h1(a[1][2], mult_lo);
-  a[1][3] = Mma<T>::mul_h1(a[1][3], mult_hi);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // k-tile kt + i takes half i of each multiplier
+    const uint32_t lo = i ? half_broadcast<true>(mult_lo) : half_broadcast<false>(mult_lo);
+    const uint32_t hi = i ? half_broadcast<true>(mult_hi) : half_broadcast<false>(mult_hi);
+    a[i][0] = Mma<T>::mul(a[i][0], lo);
+    a[i][1] = Mma<T>::mul(a[i][1], hi);
+    a[i][2] = Mma<T>::mul(a[i][2], lo);
+    a[i][3] = Mma<T>::mul(a[i][3], hi);
+  }
 }
 
 // One 128-column tile, shared by the mma.sync main loops: this lane's A

@@ -217,62 +217,46 @@ template <> struct Wgmma<__half> {
                : __VA_ARGS__                                                                                    \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1u))
 template <typename T, int N> struct WgmmaRs;
-template <> struct WgmmaRs<__nv_bfloat16, 16> {
-  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n16k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7",
-                    "%8, %9, %10, %11", "%12", "%13",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]));
-  }
-};
-template <> struct WgmmaRs<__nv_bfloat16, 32> {
-  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n32k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
-                    "%16, %17, %18, %19", "%20", "%21",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                    "+f"(d[15]));
-  }
-};
-template <> struct WgmmaRs<__nv_bfloat16, 64> {
-  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n64k16", "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
-                    "%32, %33, %34, %35", "%36", "%37",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-                    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-                    "+f"(d[29]), "+f"(d[30]), "+f"(d[31]));
-  }
-};
-template <> struct WgmmaRs<__half, 16> {
-  __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n16k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7",
-                    "%8, %9, %10, %11", "%12", "%13",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]));
-  }
-};
-template <> struct WgmmaRs<__half, 32> {
-  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n32k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
-                    "%16, %17, %18, %19", "%20", "%21",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                    "+f"(d[15]));
-  }
-};
-template <> struct WgmmaRs<__half, 64> {
-  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
-    LOWBIT_WGMMA_RS("m64n64k16", "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
-                    "%32, %33, %34, %35", "%36", "%37",
-                    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                    "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-                    "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-                    "+f"(d[29]), "+f"(d[30]), "+f"(d[31]));
-  }
-};
+// The three shapes for one type (TY, its PTX name PTX).
+#define LOWBIT_WGMMA_RS_SHAPES(TY, PTX)                                                                        \
+  template <> struct WgmmaRs<TY, 16> {                                                                        \
+    __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {     \
+      LOWBIT_WGMMA_RS("m64n16k16", PTX, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", "%12", "%13",  \
+                      LOWBIT_WGMMA_D8_OPERANDS);                                                             \
+    }                                                                                                         \
+  };                                                                                                          \
+  template <> struct WgmmaRs<TY, 32> {                                                                        \
+    __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {    \
+      LOWBIT_WGMMA_RS("m64n32k16", PTX, LOWBIT_WGMMA_RS_D16, "%16, %17, %18, %19", "%20", "%21",             \
+                      LOWBIT_WGMMA_D8_OPERANDS, LOWBIT_WGMMA_D8_OPERANDS_FROM8);                             \
+    }                                                                                                         \
+  };                                                                                                          \
+  template <> struct WgmmaRs<TY, 64> {                                                                        \
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {    \
+      LOWBIT_WGMMA_RS("m64n64k16", PTX, LOWBIT_WGMMA_RS_D16 ", " LOWBIT_WGMMA_RS_D16_HI, "%32, %33, %34, %35", \
+                      "%36", "%37", LOWBIT_WGMMA_D8_OPERANDS, LOWBIT_WGMMA_D8_OPERANDS_FROM8,               \
+                      LOWBIT_WGMMA_D16_OPERANDS_FROM16);                                                     \
+    }                                                                                                         \
+  };
+#define LOWBIT_WGMMA_RS_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define LOWBIT_WGMMA_RS_D16_HI "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define LOWBIT_WGMMA_D8_OPERANDS \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), \
+  "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define LOWBIT_WGMMA_D8_OPERANDS_FROM8 \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+  "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define LOWBIT_WGMMA_D16_OPERANDS_FROM16 \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+LOWBIT_WGMMA_RS_SHAPES(__nv_bfloat16, "bf16")
+LOWBIT_WGMMA_RS_SHAPES(__half, "f16")
+#undef LOWBIT_WGMMA_RS_SHAPES
+#undef LOWBIT_WGMMA_RS_D16
+#undef LOWBIT_WGMMA_RS_D16_HI
+#undef LOWBIT_WGMMA_D8_OPERANDS
+#undef LOWBIT_WGMMA_D8_OPERANDS_FROM8
+#undef LOWBIT_WGMMA_D16_OPERANDS_FROM16
 #undef LOWBIT_WGMMA_RS
 #undef LOWBIT_WGMMA_M64N256K16_SS
 #undef LOWBIT_WGMMA_M64N128K16_SS
