@@ -664,11 +664,12 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // cluster (at most 8) that adds them in the kernel, and a wave is as
     // many clusters as the device runs at once; with fewer W blocks the
     // splits needed are many and large clusters fit badly, so they write
-    // partials (docs/PERF.md, Linear v11).
+    // partials (docs/PERF.md, Linear v11); N = 7168 is between: clusters
+    // win there with 33..128 rows of x and lose with 17..32 (Linear v12).
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
     p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt);
-    p.wide_cluster = p.wide_wgmma && n >= 8192;
+    p.wide_cluster = p.wide_wgmma && (n >= 8192 || (p.mt == 8 && n >= 7168));
     const int64_t max_splits = std::max<int64_t>(1, p.wide_cluster ? std::min<int64_t>(kWideMaxSplits, tiles_k / 4)
                                                                    : tiles_k / 4);
     int64_t best = 1, best_cost = INT64_MAX;

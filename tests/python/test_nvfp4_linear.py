@@ -325,15 +325,16 @@ def test_cuda_wgmma_edges(dtype, n, k, ms):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [16 * 449, 16 * 521])
+@pytest.mark.parametrize("n", [16 * 385, 16 * 449, 16 * 521])
 def test_cuda_wide_wgmma_edges(dtype, n):
-    # On an H100 (gemm::linear_plan) every M here runs the wide kernel on
-    # wgmma: over 2^26 weights take it at 9..16 rows of x (MT = 2), N >= 7168
-    # at 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two row
-    # blocks. K splits go through partials at N = 7184 and add up in a
-    # cluster at N = 8336 (>= 8192). N / 16 = 449 or 521 W tiles: the last
-    # CTA has one warp with a tile (the other seven decode a stand-in tile);
-    # K = 585 * 16 leaves the last k-tile partial.
+    # On an H100 (gemm::linear_plan) the wide kernel runs on wgmma: over 2^26
+    # weights (N >= 7184 here) at 9..16 rows of x (MT = 2), with K >= 7168 at
+    # 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two row blocks.
+    # K splits go through partials at N = 6160 (and at N = 7184 with MT 2
+    # or 4) and add up in a cluster at N = 7184 with MT = 8 and at N = 8336.
+    # N / 16 = 385, 449 or 521 W tiles: the last CTA has one warp with a tile
+    # (the other seven decode a stand-in tile); K = 585 * 16 leaves the last
+    # k-tile partial.
     k = 16 * 585
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda") * 0.02
