@@ -93,20 +93,41 @@ __device__ __forceinline__ void store4<float>(float* p, const float (&in)[4]) {
 __device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
 
+namespace detail {
+// A programmatic dependent launch, in clusters of *cluster CTAs when given.
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                             Args&&... args) {
-  cudaLaunchAttribute attr[1];
+cudaError_t launch_dependent_ex(void (*kernel)(Params...), dim3 grid, const dim3* cluster, dim3 block, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (cluster) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cluster->x;
+    attr[1].val.clusterDim.y = cluster->y;
+    attr[1].val.clusterDim.z = cluster->z;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = cluster ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+}
+}  // namespace detail
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
+  return detail::launch_dependent_ex(kernel, grid, nullptr, block, smem, stream, static_cast<Args&&>(args)...);
+}
+// launch_dependent with the grid in clusters of `cluster` CTAs.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 cluster, dim3 block, size_t smem,
+                                      cudaStream_t stream, Args&&... args) {
+  return detail::launch_dependent_ex(kernel, grid, &cluster, block, smem, stream, static_cast<Args&&>(args)...);
 }
 
 // Streaming multiprocessors of the current device, cached per device.

@@ -404,6 +404,7 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
   const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, 8)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
                   unsigned(p.splits));
   const int64_t per_split = cuda::ceil_div(tiles_k, p.splits);
+  float* partials = static_cast<float*>(a.workspace);
   if constexpr (kWg) {
     // The image (the workspace) first, then the GEMM as its dependent: its
     // first W copies overlap the image pass.
@@ -414,36 +415,22 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     // K splits: one cluster per tile, added in the kernel (wide_cluster_finish),
     // or FP32 partials after the image, added by split_reduce_kernel.
-    float* partials = p.wide_cluster ? nullptr : reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 1;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = p.wide_cluster ? grid.z : 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 2;
-    err = cudaLaunchKernelEx(&config, linear_wide_kernel<T, MT, kWg>, reinterpret_cast<const T*>(image), a.weight,
-                             a.scale, a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials,
-                             a.m, a.n, a.k, per_split);
-    if (err != cudaSuccess || p.splits == 1 || p.wide_cluster) return err;
-    LinearArgs reduce_args = a;
-    reduce_args.workspace = partials;
-    return launch_split_reduce<T>(reduce_args, p.splits, stream);
+    partials = p.wide_cluster ? nullptr : reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
+    err = cuda::launch_dependent_clusters(linear_wide_kernel<T, MT, kWg>, grid,
+                                          dim3(1, 1, p.wide_cluster ? grid.z : 1), dim3(kThreads), smem, stream,
+                                          reinterpret_cast<const T*>(image), a.weight, a.scale, a.global_scale,
+                                          static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n,
+                                          a.k, per_split);
   } else {
     linear_wide_kernel<T, MT, kWg><<<grid, kThreads, smem, stream>>>(
         static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale, static_cast<const T*>(a.bias),
-        static_cast<T*>(a.out), static_cast<float*>(a.workspace), a.m, a.n, a.k, per_split);
+        static_cast<T*>(a.out), partials, a.m, a.n, a.k, per_split);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess || p.splits == 1) return err;
-  return launch_split_reduce<T>(a, p.splits, stream);
+  if (err != cudaSuccess || p.splits == 1 || partials == nullptr) return err;
+  LinearArgs reduce_args = a;
+  reduce_args.workspace = partials;
+  return launch_split_reduce<T>(reduce_args, p.splits, stream);
 }
 
 template <typename T, int MT, int W>

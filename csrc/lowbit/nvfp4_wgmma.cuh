@@ -424,21 +424,10 @@ cudaError_t launch(const Maps& maps, const Problem& problem, int64_t k, int spli
   if (err != cudaSuccess) return err;
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int tiles_per_split = static_cast<int>(cuda::ceil_div(tiles_k, splits));
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(splits), static_cast<unsigned>(w_blocks), static_cast<unsigned>(tiles));
-  config.blockDim = dim3(C::kThreads);
-  config.dynamicSmemBytes = C::kSmemBytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, kernel, maps.x, maps.code, maps.scale, problem, k, tiles_per_split);
+  return cuda::launch_dependent_clusters(
+      kernel, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(w_blocks), static_cast<unsigned>(tiles)),
+      dim3(static_cast<unsigned>(splits), 1, 1), dim3(C::kThreads), C::kSmemBytes, stream, maps.x, maps.code,
+      maps.scale, problem, k, tiles_per_split);
 }
 
 // How many clusters of `splits` CTAs of the NT kernel the device runs at
