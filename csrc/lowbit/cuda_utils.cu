@@ -30,6 +30,15 @@ int cached_attribute(int fallback) {
 int num_sms() { return cached_attribute<cudaDevAttrMultiProcessorCount>(132); }
 int smem_per_sm() { return cached_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>(233472); }
 
+int smem_for_ctas_per_sm(int bytes, int ctas) {
+  if (ctas <= 0) return bytes;
+  constexpr int kReservedPerCta = 1024;  // shared memory the system keeps per CTA
+  const int cap = cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(232448);
+  // One more CTA than `ctas` must not fit: (ctas + 1) (padded + reserved) > per SM.
+  const int padded = smem_per_sm() / (ctas + 1) - kReservedPerCta + 16;
+  return std::min(cap, std::max(bytes, padded));
+}
+
 cudaError_t allow_dynamic_smem(const void* kernel, int bytes) {
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, int> allowed;  // (kernel, device) -> bytes set

@@ -135,6 +135,13 @@ int num_sms();
 // Shared memory per SM of the current device (bytes), cached per device.
 int smem_per_sm();
 
+// Dynamic shared memory for a CTA that needs `bytes`, padded so that at
+// most `ctas` of them fit on an SM (ctas <= 0: `bytes` as is). The block
+// scheduler packs a grid of fewer CTAs than the device holds onto as few SMs
+// as their resources allow, leaving others idle; capping the CTAs per SM
+// spreads such a grid over every SM (docs/PERF.md, Linear v13).
+int smem_for_ctas_per_sm(int bytes, int ctas);
+
 // Lets `kernel` launch with up to `bytes` of dynamic shared memory on the
 // current device. The attribute belongs to the function on a device; it is
 // set the first time (or when a launch needs more than was set), so a

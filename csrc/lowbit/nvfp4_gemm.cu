@@ -7,7 +7,8 @@
 // 16-row tile of W (and per split of K); the weight is read once, in 1 KB
 // coalesced pieces, by all SMs at once. The stream kernel's warps feed
 // their k-tiles through cp.async rings in shared memory (stream_mainloop,
-// 32 warps per SM), the narrow kernel's through register stages
+// up to 32 warps per SM; 16 on grids that would otherwise leave SMs idle),
+// the narrow kernel's through register stages
 // (warp_mainloop, 16 warps per SM). The warps' partial sums are added in a
 // fixed order in shared memory. Launched as programmatic dependents: their
 // first W tiles go to L2 while the previous kernel finishes.
@@ -170,7 +171,8 @@ __device__ __forceinline__ SplitRun begin_split_run(const uint8_t* weight, const
 
 // CTAs per SM: 16 warps in all (the register budget of kMinBlocks 8-warp CTAs).
 template <int MT, int W> constexpr int kNarrowCtasPerSm = mma::kMinBlocks<MT> * mma::kWarps / W;
-// Stream kernel: 32 warps per SM (64 registers), as shared memory allows.
+// Stream kernel: up to 32 warps per SM (64 registers), as shared memory
+// and the plan's ctas_per_sm allow.
 constexpr int kStreamWarpsPerSm = 32;
 static_assert(kStreamMaxM <= mma::kStreamMaxRows, "the stream main loop takes at most 8 rows of x");
 
@@ -449,7 +451,7 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
 template <typename T, int W>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
-  const int smem = W * mma::stream_warp_bytes(static_cast<int>(a.m));
+  const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
   cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
@@ -601,6 +603,30 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 }
 }  // namespace
 
+namespace {
+// The stream kernel's shape: warps per tile, and K split as the narrow
+// kernel's when the tiles are fewer than the SMs. Its CTAs are capped at 16
+// warps per SM when that holds the grid in at most 1.5 waves: left to
+// fill SMs up to what their rings allow (32 warps at 1-4 rows, some shapes
+// at 5-8), a grid smaller than the device is packed onto fewer SMs.
+// Measured in docs/PERF.md, Linear v13: at M = 1 on 8192 x 4096 10.9 us
+// uncapped, 8.2 capped (narrow kernel: 9.2).
+LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
+  constexpr int kSpreadWarpsPerSm = 16;
+  const int64_t sms = cuda::num_sms();
+  LinearPlan p{};
+  p.path = LinearPath::kStream;
+  p.mt = 1;
+  p.warps = stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
+  const int64_t splits =
+      ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
+  p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
+  const int spread = kSpreadWarpsPerSm / p.warps;
+  if (2 * ntiles * p.splits <= 3 * spread * sms) p.ctas_per_sm = spread;
+  return p;
+}
+}  // namespace
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -612,8 +638,14 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // The stream kernel (twice the warps per SM) for 5..8 rows, where the
   // narrow kernel's x fragments cost it most, and for fewer rows when the
   // narrow kernel needs several waves (no one-wave shape, more than 4 W
-  // tiles per SM); measured in docs/PERF.md, Linear v9.
-  const bool stream = m <= kStreamMaxM && (m > 4 || (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
+  // tiles per SM); measured in docs/PERF.md, Linear v9. Also for 1..4 rows
+  // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
+  // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
+  const LinearPlan stream_plan = stream_shape(m, ntiles, tiles_k);
+  const bool stream_spread =
+      stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
+  const bool stream = m <= kStreamMaxM &&
+                      (m > 4 || stream_spread || (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
   LinearPath path = stream                              ? LinearPath::kStream
                     : m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
                     : m <= kWideMaxM                    ? LinearPath::kWide
@@ -623,12 +655,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   p.path = path;
   if (path == LinearPath::kStream && m > kStreamMaxM) p.path = path = LinearPath::kNarrow;
   if (path == LinearPath::kStream) {
-    // K split as the narrow kernel's when the tiles are fewer than the SMs.
-    p.mt = 1;
-    p.warps = stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
-    const int64_t splits =
-        ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
-    p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
+    p = stream_plan;
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)

@@ -54,9 +54,11 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 // the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):
 //   M <= kStreamMaxM  stream kernel: 1-8 warps per 16-row W tile, each
 //                     streaming its k-tiles (W and x) through a cp.async
-//                     ring in shared memory; split-K as the narrow kernel
-//                     (M <= 4: only where the narrow kernel needs several
-//                     waves)
+//                     ring in shared memory; split-K as the narrow kernel;
+//                     grids of at most 1.5 waves at 16 warps per SM held
+//                     to that (M <= 4: only where the narrow kernel needs
+//                     several waves, or where such a capped grid brings 10
+//                     warps or more per SM)
 //   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
 //                     when the W tiles alone do not fill the SMs (M 9..16
 //                     with many W tiles: the wide kernel)
@@ -82,6 +84,7 @@ struct LinearPlan {
   LinearPath path;
   int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
   int warps;                 // stream / narrow: warps per CTA, all on one 16-row W tile
+  int ctas_per_sm;           // stream: CTAs per SM the launch allows (0: as many as fit)
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
