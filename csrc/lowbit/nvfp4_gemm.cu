@@ -601,9 +601,7 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
                                      : wide_wgmma_resident_clusters<8>(splits);
   return clusters * splits;
 }
-}  // namespace
 
-namespace {
 // The stream kernel's shape: warps per tile, and K split as the narrow
 // kernel's when the tiles are fewer than the SMs. Its CTAs are capped at 16
 // warps per SM when that holds the grid in at most 1.5 waves: left to
