@@ -608,14 +608,18 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 // fill SMs up to what their rings allow (32 warps at 1-4 rows, some shapes
 // at 5-8), a grid smaller than the device is packed onto fewer SMs.
 // Measured in docs/PERF.md, Linear v13: at M = 1 on 8192 x 4096 10.9 us
-// uncapped, 8.2 capped (narrow kernel: 9.2).
+// uncapped, 8.2 capped (narrow kernel: 9.2). One warp per tile (its whole
+// K) when the tiles alone bring 12 warps or more per SM and fit the cap in
+// 1.5 waves: 1024 x 32768, M = 1, 9.1 us on 2 warps per tile, 8.5 on one.
 LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   constexpr int kSpreadWarpsPerSm = 16;
   const int64_t sms = cuda::num_sms();
   LinearPlan p{};
   p.path = LinearPath::kStream;
   p.mt = 1;
-  p.warps = stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
+  p.warps = ntiles >= 12 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
+                ? 1
+                : stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
   const int64_t splits =
       ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));

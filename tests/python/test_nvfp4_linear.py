@@ -353,14 +353,15 @@ def test_cuda_wide_wgmma_edges(dtype, n):
 
 
 @cuda
-@pytest.mark.parametrize("n", [16 * 2048, 16 * 1400, 16 * 1152, 16 * 700, 16 * 350])
+@pytest.mark.parametrize("n", [16 * 3200, 16 * 2048, 16 * 1400, 16 * 1152, 16 * 700, 16 * 350])
 def test_cuda_small_m_kernel_shapes(n):
     # On a 132-SM H100 (gemm::linear_plan), K = 1168 (9 full k-tiles and a
-    # partial one) gives the stream kernel 2 warps per W tile. M 5..8 always
-    # run it, M 1..4 on 1400, 1152 and 700 tiles: capped at 8 CTAs (16
-    # warps) per SM there; 2048 tiles take more than 1.5 waves so, uncapped,
-    # and at M <= 4 the narrow kernel with 1 warp per tile, as 350 tiles (4
-    # warps per tile). M 9..16 run the wide kernel on all but 350 tiles.
+    # partial one). The stream kernel runs M 5..8 always and M 1..4 on all
+    # but 350 tiles (there: the narrow kernel, 4 warps per tile): on 2048
+    # tiles one warp per tile, at most 16 CTAs per SM; on 1400, 1152 and
+    # 700 two warps per tile, at most 8 CTAs per SM; on 3200 two warps per
+    # tile, uncapped (more than 1.5 waves). M 9..16 run the wide kernel on
+    # all but 350 tiles.
     k = 1168
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
