@@ -34,8 +34,10 @@ int smem_for_ctas_per_sm(int bytes, int ctas) {
   if (ctas <= 0) return bytes;
   constexpr int kReservedPerCta = 1024;  // shared memory the system keeps per CTA
   const int cap = cached_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(232448);
-  // One more CTA than `ctas` must not fit: (ctas + 1) (padded + reserved) > per SM.
-  const int padded = smem_per_sm() / (ctas + 1) - kReservedPerCta + 16;
+  // One more CTA than `ctas` must not fit: (ctas + 1) (padded + reserved) >
+  // per SM; in the 128-byte units shared memory is allocated in.
+  constexpr int kUnit = 128;
+  const int padded = (smem_per_sm() / (ctas + 1) - kReservedPerCta + kUnit) / kUnit * kUnit;
   return std::min(cap, std::max(bytes, padded));
 }
 

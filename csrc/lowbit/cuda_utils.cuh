@@ -136,7 +136,8 @@ int num_sms();
 int smem_per_sm();
 
 // Dynamic shared memory for a CTA that needs `bytes`, padded so that at
-// most `ctas` of them fit on an SM (ctas <= 0: `bytes` as is). The block
+// most `ctas` of them fit on an SM (ctas <= 0: `bytes` as is; the CTA's
+// static shared memory and other resources may allow fewer). The block
 // scheduler packs a grid of fewer CTAs than the device holds onto as few SMs
 // as their resources allow, leaving others idle; capping the CTAs per SM
 // spreads such a grid over every SM (docs/PERF.md, Linear v13).
