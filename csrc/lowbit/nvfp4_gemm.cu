@@ -643,7 +643,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // tiles per SM); measured in docs/PERF.md, Linear v9. Also for 1..4 rows
   // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
   // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
-  const LinearPlan stream_plan = stream_shape(m, ntiles, tiles_k);
+  const LinearPlan stream_plan = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
   const bool stream = m <= kStreamMaxM &&

@@ -353,16 +353,20 @@ def test_cuda_wide_wgmma_edges(dtype, n):
 
 
 @cuda
-@pytest.mark.parametrize("n", [16 * 3200, 16 * 2048, 16 * 1400, 16 * 1152, 16 * 700, 16 * 350])
-def test_cuda_small_m_kernel_shapes(n):
-    # On a 132-SM H100 (gemm::linear_plan), K = 1168 (9 full k-tiles and a
-    # partial one). The stream kernel runs M 5..8 always and M 1..4 on all
+@pytest.mark.parametrize(
+    "n,k",
+    [(16 * t, 1168) for t in (3200, 2048, 1400, 1152, 700, 350)] + [(16 * 1400, 2064), (16 * 700, 4112)],
+)
+def test_cuda_small_m_kernel_shapes(n, k):
+    # On a 132-SM H100 (gemm::linear_plan). K = 1168 (9 full k-tiles and a
+    # partial one): the stream kernel runs M 5..8 always and M 1..4 on all
     # but 350 tiles (there: the narrow kernel, 4 warps per tile): on 2048
     # tiles one warp per tile, at most 16 CTAs per SM; on 1400, 1152 and
     # 700 two warps per tile, at most 8 CTAs per SM; on 3200 two warps per
-    # tile, uncapped (more than 1.5 waves). M 9..16 run the wide kernel on
-    # all but 350 tiles.
-    k = 1168
+    # tile, uncapped (more than 1.5 waves). K = 2064 and 4112 give the
+    # stream kernel 4 and 8 warps per tile, too many for the cap, so M 1..4
+    # run the narrow kernel with 1 (1400 tiles) and 2 (700 tiles) warps per
+    # tile. M 9..16 run the wide kernel on all but 350 tiles.
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
