@@ -704,6 +704,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   } else if (path == LinearPath::kWgmma) {
     p.mt = linear_wgmma_tokens(m);
     p.splits = linear_wgmma_splits(m, n, k);
+    p.wgmma_pair = linear_wgmma_pairs(m, p.splits);
     return p;
   } else {
     p.splits = 1;

@@ -90,6 +90,7 @@ struct LinearPlan {
   int64_t workspace_bytes;   // device workspace the launch needs
   bool wide_wgmma;           // wide: wgmma after an x image pass, not mma.sync
   bool wide_cluster;         // wide on wgmma: K splits added in a cluster, not through partials
+  bool wgmma_pair;           // wgmma: CTAs in pairs that share the decode (nvfp4_wgmma.cuh)
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of
@@ -105,9 +106,10 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K
-// splits, launch.
+// splits, whether CTAs pair up to share the decode, launch.
 int linear_wgmma_tokens(int64_t m);
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k);
+bool linear_wgmma_pairs(int64_t m, int64_t splits);
 cudaError_t linear_wgmma_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 #endif
 

@@ -3,6 +3,7 @@
 // scale and the bias in the epilogue.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "lowbit/cuda_utils.cuh"
 #include "lowbit/nvfp4_gemm.h"
@@ -14,8 +15,9 @@ namespace {
 using wgmma::kBN;
 using wgmma::kMaxSplits;
 
-// Token tile blockIdx.z of NT tokens, W block blockIdx.y of 128 rows.
-template <typename T, int NT>
+// Token tile blockIdx.z of NT tokens (pairs: 2 blockIdx.z + blockIdx.x),
+// W block blockIdx.y of 128 rows.
+template <typename T, int NT, bool kPair = false>
 struct LinearProblem {
   const float* global_scale;
   const T* bias;  // [N] or null
@@ -24,7 +26,7 @@ struct LinearProblem {
 
   __device__ __forceinline__ bool tile(wgmma::Tile& t) const {
     t.w_tile_row = static_cast<int32_t>(blockIdx.y * (kBN / kTileN));
-    t.x_row = static_cast<int32_t>(blockIdx.z * NT);
+    t.x_row = static_cast<int32_t>((kPair ? 2 * blockIdx.z + blockIdx.x : blockIdx.z) * NT);
     t.group = 0;
     t.rows = NT;
     return true;
@@ -46,24 +48,42 @@ struct LinearProblem {
   }
 };
 
-template <typename T, int NT>
+template <typename T, int NT, bool kPair>
 cudaError_t launch_nt(const LinearArgs& a, int splits, cudaStream_t stream) {
   wgmma::Maps maps;
-  cudaError_t err = wgmma::make_maps(maps, a.x, a.dtype, a.m, a.k, NT, a.weight, a.scale, a.n);
+  cudaError_t err = wgmma::make_maps(maps, a.x, a.dtype, a.m, a.k, NT, a.weight, a.scale, a.n,
+                                     wgmma::Config<NT, kPair>::kRawTilesCta);
   if (err != cudaSuccess) return err;
-  const LinearProblem<T, NT> problem{a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out), a.m, a.n};
-  return wgmma::launch<T, NT>(maps, problem, a.k, splits, cuda::ceil_div(a.n, kBN), cuda::ceil_div(a.m, NT), stream);
+  const LinearProblem<T, NT, kPair> problem{a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out),
+                                            a.m, a.n};
+  return wgmma::launch<T, NT, kPair>(maps, problem, a.k, splits, cuda::ceil_div(a.n, kBN), cuda::ceil_div(a.m, NT),
+                                     stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int splits = static_cast<int>(p.splits);
-  return p.mt == 128 ? launch_nt<T, 128>(a, splits, stream) : launch_nt<T, 256>(a, splits, stream);
+  if (p.wgmma_pair) return launch_nt<T, 256, true>(a, splits, stream);
+  return p.mt == 128 ? launch_nt<T, 128, false>(a, splits, stream) : launch_nt<T, 256, false>(a, splits, stream);
 }
 
 }  // namespace
 
 int linear_wgmma_tokens(int64_t m) { return m <= 128 ? 128 : 256; }
+
+bool linear_wgmma_pairs(int64_t m, int64_t splits) {
+  // Pairs halve each CTA's decode but tie two CTAs together; measured
+  // (docs/PERF.md, Linear v14) they win from 4 token tiles of 256 (M >
+  // 768), lose with one (a pair's second CTA has no tokens) and lose on
+  // short K at M >= 4096 against unpack + cuBLAS. LOWBIT_WGMMA_PAIR=0|1
+  // (read once) forces them off or on (where possible), for benchmarks.
+  static const int forced = [] {
+    const char* v = std::getenv("LOWBIT_WGMMA_PAIR");
+    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
+  }();
+  if (linear_wgmma_tokens(m) != 256 || splits != 1) return false;
+  return forced >= 0 ? forced == 1 : m > 3 * 256;
+}
 
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
   // Tiles of 128 W rows x NT tokens, one CTA each (one per SM: shared

@@ -29,6 +29,11 @@
 // K splits form a cluster; each dumps its FP32 tile into its shared memory
 // and each stores its share of tokens, adding the cluster's tiles
 // (distributed shared memory) in rank order: deterministic, no workspace.
+// Pairs (kPair, many token tiles, no K split): two CTAs on the same W rows
+// and adjacent token tiles form a cluster; each copies and decodes half of
+// the W tiles and copies what it decoded into the other's shared memory
+// (bulk copies counted on the other's barrier), so the decode that slows
+// the tensor pipe is half as much per CTA.
 #pragma once
 
 #include <cuda.h>
@@ -50,23 +55,29 @@ constexpr int kRawBytes = kRawTiles * (kTileBytes + kTileScaleBytes);  // 128 co
 constexpr int kStepK = 64;                                            // columns per x / decoded step
 constexpr int kRowBytes = kStepK * 2;                                 // 128: one swizzled x row
 constexpr int kMaxSplits = 8;                                         // portable cluster size
-// Decoded W of a step: core matrices (8 rows x 8 columns, 128 contiguous
-// bytes) of row group rg and column group kc at kc * kDecLbo + rg * 128. The
-// 64 extra bytes per column group put the two column groups that one
-// 8-byte store instruction writes into opposite halves of the banks.
-constexpr int kDecLbo = (kBN / 8) * 128 + 64;                         // 2112
-constexpr int kDecBytes = (kStepK / 8) * kDecLbo;                     // 16.5 KB
+// Decoded W of a step, in two contiguous halves of 64 rows (one per MMA
+// warpgroup; in pairs, one per CTA): core matrices (8 rows x 8 columns, 128
+// contiguous bytes) of row group rg of half hf and column group kc at hf *
+// kDecHalfBytes + kc * kDecLbo + rg * 128. The 64 extra bytes per column
+// group put the two column groups that one 8-byte store instruction writes
+// into opposite halves of the banks.
+constexpr int kDecLbo = (kBN / 16) * 128 + 64;                        // 1088
+constexpr int kDecHalfBytes = (kStepK / 8) * kDecLbo;                 // 8.5 KB
+constexpr int kDecBytes = 2 * kDecHalfBytes;                          // 17 KB
 
 // NT tokens per tile. The MMA warpgroups hold NT / 2 FP32 accumulators per
 // thread; the registers left over decide how many transform warps fit
 // (ptxas gives every thread the launch bound's share): 8 (one W tile each
 // per step) at NT = 128, 4 (two tiles each) at NT = 256. (NT = 192 with 8
 // warps measured slower than NT = 256 with 4: docs/PERF.md, Linear v8.)
-template <int NT>
+template <int NT, bool kPair = false>
 struct Config {
   static_assert(NT == 128 || NT == 256, "tokens per tile");
+  static_assert(!kPair || NT == 256, "pairs: 4 transform warps, one W tile each");
   static constexpr int kTransformWarps = NT == 256 ? 4 : 8;
-  static constexpr int kTilesPerWarp = kRawTiles / kTransformWarps;  // W tiles a transform warp decodes per step
+  static constexpr int kRawTilesCta = kPair ? kRawTiles / 2 : kRawTiles;  // W tiles this CTA copies and decodes
+  static constexpr int kRawBytesCta = kRawTilesCta * (kTileBytes + kTileScaleBytes);
+  static constexpr int kTilesPerWarp = kRawTilesCta / kTransformWarps;  // W tiles a transform warp decodes per step
   static constexpr int kThreads = 256 + 32 * kTransformWarps;        // 2 MMA warpgroups + transform warps
   static constexpr int kXBytes = NT * kRowBytes;                      // 16 or 32 KB
   static constexpr int kRawStages = 3;
@@ -75,7 +86,7 @@ struct Config {
   static constexpr int kXOff = 0;
   static constexpr int kDecOff = kXOff + kXStages * kXBytes;
   static constexpr int kRawOff = kDecOff + kDecStages * kDecBytes;
-  static constexpr int kBarOff = kRawOff + kRawStages * kRawBytes;
+  static constexpr int kBarOff = kRawOff + kRawStages * kRawBytesCta;
   static constexpr int kBars = 2 * (kRawStages + kDecStages + kXStages);
   static constexpr int kSmemBytes = kBarOff + 8 * kBars + 1024;  // + alignment slack
   static constexpr int kDumpStride = kBN + 4;                    // FP32 token row of the epilogue dump
@@ -84,7 +95,7 @@ struct Config {
   static_assert(kRawOff % 16 == 0 && kDecBytes % 16 == 0, "tensor copies and core matrices: 16-byte aligned");
   static_assert(kDumpBytes <= kBarOff, "the epilogue dump reuses the pipeline buffers");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
-  static_assert(kRawTiles % kTransformWarps == 0, "every transform warp decodes as many tiles");
+  static_assert(kRawTilesCta % kTransformWarps == 0, "every transform warp decodes as many tiles");
 };
 
 // Stage use i of a ring of S slots: slot i % S, phase (i / S) & 1.
@@ -152,16 +163,17 @@ struct Tile {
 };
 
 // grid (splits, N / 128 W blocks, token tiles or work items); cluster
-// (splits, 1, 1). K: the reduction length (columns of x). The problem says
+// (splits, 1, 1); pairs: grid (2, N / 128, token tiles / 2), cluster (2, 1,
+// 1), no split. K: the reduction length (columns of x). The problem says
 // which tile the CTA computes (Problem::tile; false: nothing to do, which
-// only a problem without K splits may answer, as the whole CTA leaves) and
-// stores it (Problem::store, by the 256 MMA threads, for token rows [r0,
-// r1) of the tile).
-template <typename T, int NT, typename Problem>
-__global__ void __launch_bounds__(Config<NT>::kThreads, 1)
+// only a problem without K splits or pairs may answer, as the whole CTA
+// leaves) and stores it (Problem::store, by the 256 MMA threads, for token
+// rows [r0, r1) of the tile).
+template <typename T, int NT, bool kPair, typename Problem>
+__global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap code_map,
                 const __grid_constant__ CUtensorMap scale_map, const Problem problem, int64_t k, int tiles_per_split) {
-  using C = Config<NT>;
+  using C = Config<NT, kPair>;
   Tile tile;
   if (!problem.tile(tile)) return;
   extern __shared__ uint8_t smem_raw[];
@@ -173,12 +185,13 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
   uint64_t* dec_empty = dec_full + C::kDecStages;
   uint64_t* x_full = dec_empty + C::kDecStages;
   uint64_t* x_empty = x_full + C::kXStages;
-  auto raw_stage = [&](int s) { return smem + C::kRawOff + s * kRawBytes; };
+  auto raw_stage = [&](int s) { return smem + C::kRawOff + s * C::kRawBytesCta; };
   auto dec_stage = [&](int s) { return smem + C::kDecOff + s * kDecBytes; };
   auto x_stage = [&](int s) { return smem + C::kXOff + s * C::kXBytes; };
 
   const int64_t tiles_k = padded_k(k) / kTileK;
-  const int split = blockIdx.x, splits = gridDim.x;
+  const int split = kPair ? 0 : blockIdx.x, splits = kPair ? 1 : gridDim.x;
+  const uint32_t rank = kPair ? blockIdx.x : 0, peer = rank ^ 1;  // pairs: this CTA and the other
   const int kc0 = split * tiles_per_split;
   const int ktiles = static_cast<int>(std::min<int64_t>(tiles_k, kc0 + tiles_per_split)) - kc0;
   const int steps = 2 * ktiles;
@@ -190,8 +203,8 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
       sm90::mbar_init(&raw_empty[s], C::kTransformWarps);
     }
     for (int s = 0; s < C::kDecStages; ++s) {
-      sm90::mbar_init(&dec_full[s], C::kTransformWarps);
-      sm90::mbar_init(&dec_empty[s], 8);  // one arrival per MMA warp
+      sm90::mbar_init(&dec_full[s], C::kTransformWarps);  // per transform warp (pairs: + the other's bytes)
+      sm90::mbar_init(&dec_empty[s], kPair ? 16 : 8);     // per MMA warp (pairs: of both CTAs)
     }
     for (int s = 0; s < C::kXStages; ++s) {
       sm90::mbar_init(&x_full[s], 1);
@@ -199,7 +212,11 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
     }
     sm90::fence_barrier_init();
   }
-  __syncthreads();
+  if (kPair) {
+    sm90::cluster_sync();  // the other CTA arrives on these barriers
+  } else {
+    __syncthreads();
+  }
 
   // x step h: columns [64 h, 64 h + 64) of this split, rows [x_row, x_row + NT).
   auto load_x = [&](int h) {
@@ -222,7 +239,7 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
       const int xs = slot_of<C::kXStages>(h), ds = slot_of<C::kDecStages>(h);
       sm90::mbar_wait(&dec_full[ds], phase_of<C::kDecStages>(h));
       sm90::mbar_wait(&x_full[xs], phase_of<C::kXStages>(h));
-      const uint32_t a_addr = sm90::smem_addr(dec_stage(ds)) + wg * 8 * 128;  // row groups 8 wg ..
+      const uint32_t a_addr = sm90::smem_addr(dec_stage(ds)) + wg * kDecHalfBytes;
       const uint32_t b_addr = sm90::smem_addr(x_stage(xs));
       sm90::wgmma_fence();
 #pragma unroll
@@ -236,6 +253,7 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
         if (lane == 0) {
           sm90::mbar_arrive(&x_empty[slot_of<C::kXStages>(prev)]);
           sm90::mbar_arrive(&dec_empty[slot_of<C::kDecStages>(prev)]);
+          if (kPair) sm90::mbar_arrive_remote(sm90::peer_smem_addr(&dec_empty[slot_of<C::kDecStages>(prev)], peer));
         }
         if (threadIdx.x == 0 && prev + C::kXStages < steps) {  // refill the slot once both warpgroups left it
           sm90::mbar_wait(&x_empty[slot_of<C::kXStages>(prev)], phase_of<C::kXStages>(prev));
@@ -254,8 +272,14 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
     // anyone still reads (the transform warps and the copies finished before
     // the MMAs could consume them): the FP32 tile goes over them, as
     // [token][W row]. acc[4j + 2h + e]: W row 16 warp + lane / 4 + 8h of the
-    // CTA, token 8j + 2 (lane % 4) + e.
-    asm volatile("bar.sync 1, 256;" ::: "memory");
+    // CTA, token 8j + 2 (lane % 4) + e. Pairs wait for the other CTA too:
+    // once its MMAs are done, it has every decoded tile this CTA copied to
+    // it (the copies no longer read these buffers) and sends nothing more.
+    if (kPair) {
+      sm90::cluster_sync();
+    } else {
+      asm volatile("bar.sync 1, 256;" ::: "memory");
+    }
     float* dump = reinterpret_cast<float*>(smem);
     const int row = 16 * warp + lane / 4, col = 2 * (lane % 4);
 #pragma unroll
@@ -272,30 +296,37 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
     } else {
       asm volatile("bar.sync 1, 256;" ::: "memory");
     }
-    const int rank = splits > 1 ? static_cast<int>(sm90::cluster_rank()) : 0;
+    const int split_rank = splits > 1 ? static_cast<int>(sm90::cluster_rank()) : 0;
     const int rows_per_rank = (NT + splits - 1) / splits;
-    problem.store(DumpView<NT>{dump, splits}, tile, rank * rows_per_rank, min((rank + 1) * rows_per_rank, NT));
+    problem.store(DumpView<NT>{dump, splits}, tile, split_rank * rows_per_rank,
+                  min((split_rank + 1) * rows_per_rank, NT));
     if (splits > 1) sm90::cluster_sync();
   } else {
     // ---- transform warps ------------------------------------------------------
     // Warp tw decodes W tiles tw, tw + kTransformWarps (two at NT = 256, one
-    // at 128) of each step: 4 k16 fragments each, 8 codes of two rows per
-    // lane, and stores every lane's 4 consecutive physical columns of a row
-    // as one 8-byte word (row r, column c of a step at (c / 8) * kDecLbo +
-    // (r / 8) * 128 + (r % 8) * 16 + (c % 8) * 2). Warp 0 (lane 0) also
-    // issues the raw W copies.
+    // at 128 and in pairs) of the CTA's raw stage: 4 k16 fragments each, 8
+    // codes of two rows per lane, and stores every lane's 4 consecutive
+    // physical columns of a row as one 8-byte word (row r, column c of a
+    // step at (r / 64) * kDecHalfBytes + (c / 8) * kDecLbo + (r % 64 / 8) *
+    // 128 + (r % 8) * 16 + (c % 8) * 2). Pairs: each CTA decodes half r
+    // (its rank) and warp 0 copies it into the other CTA once all four warps
+    // have stored it. Warp 0 (lane 0) also issues the raw W copies.
     if (NT == 256) sm90::regs_dealloc<88>();
     const int tw = warp - 8, g = lane / 4, t = lane % 4;
     const bool copier = tw == 0 && lane == 0;
-    // Raw stage q: k-tile kc0 + q of the 8 W tile rows from tile.w_tile_row,
+    // Raw stage q: k-tile kc0 + q of the CTA's kRawTilesCta W tile rows
+    // (from tile.w_tile_row; pairs: the first or second half of the 8),
     // codes then scales, one tensor copy each (rows past the map: zeros).
+    const int raw_tile0 = static_cast<int>(rank) * C::kRawTilesCta;  // the CTA's first tile of the 8
     auto load_raw = [&](int q) {
       const int rs = slot_of<C::kRawStages>(q);
-      sm90::mbar_arrive_expect_tx(&raw_full[rs], kRawBytes);
-      sm90::tma_load_2d(raw_stage(rs), &code_map, (kc0 + q) * (kTileBytes / 4), tile.w_tile_row, &raw_full[rs]);
-      sm90::tma_load_2d(raw_stage(rs) + kRawTiles * kTileBytes, &scale_map, (kc0 + q) * (kTileScaleBytes / 4),
-                        tile.w_tile_row, &raw_full[rs]);
+      sm90::mbar_arrive_expect_tx(&raw_full[rs], C::kRawBytesCta);
+      sm90::tma_load_2d(raw_stage(rs), &code_map, (kc0 + q) * (kTileBytes / 4), tile.w_tile_row + raw_tile0,
+                        &raw_full[rs]);
+      sm90::tma_load_2d(raw_stage(rs) + C::kRawTilesCta * kTileBytes, &scale_map, (kc0 + q) * (kTileScaleBytes / 4),
+                        tile.w_tile_row + raw_tile0, &raw_full[rs]);
     };
+    const uint32_t peer_smem = kPair ? sm90::peer_smem_addr(smem, peer) : 0;
     if (copier) {
       cuda::wait_for_previous_grid();
       for (int q = 0; q < min(ktiles, int{C::kRawStages}); ++q) load_raw(q);
@@ -316,7 +347,7 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
           const int i = tw + u * C::kTransformWarps;
           codes_all[half][u] = reinterpret_cast<const uint4*>(raw + i * kTileBytes)[half * 32 + lane];
           sw_all[half][u] =
-              reinterpret_cast<const uint2*>(raw + kRawTiles * kTileBytes + i * kTileScaleBytes + g * 16)[half];
+              reinterpret_cast<const uint2*>(raw + C::kRawTilesCta * kTileBytes + i * kTileScaleBytes + g * 16)[half];
         }
       };
       load_codes(0);  // both halves' codes at once: the second half's loads are in flight early
@@ -331,7 +362,9 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
         for (int u = 0; u < C::kTilesPerWarp; ++u) {
           const int i = tw + u * C::kTransformWarps;
           const uint32_t w[4] = {codes[u].x, codes[u].y, codes[u].z, codes[u].w};
-          uint8_t* row_g = dec_stage(ds) + (t / 2) * kDecLbo + 2 * i * 128 + g * 16 + (t % 2) * 8;
+          const int bi = raw_tile0 + i;  // the tile's place among the 8: half bi / 4, row groups 2 (bi % 4) ..
+          uint8_t* row_g =
+              dec_stage(ds) + (bi / 4) * kDecHalfBytes + (t / 2) * kDecLbo + 2 * (bi % 4) * 128 + g * 16 + (t % 2) * 8;
 #pragma unroll
           for (int f = 0; f < 4; ++f) {
             uint32_t a[4];
@@ -342,9 +375,24 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
           }
         }
         sm90::fence_proxy_async();
-        __syncwarp();
+        if (kPair) {
+          // Every transform warp has stored its tile (named barrier 2; an
+          // arrive-only barrier would let warps 1-3 run a step ahead and
+          // count twice): warp 0 sends the half. The other CTA's warp 0
+          // sends as many bytes here (the count may go below zero first).
+          asm volatile("bar.sync 2, %0;" ::"n"(32 * C::kTransformWarps) : "memory");
+        } else {
+          __syncwarp();
+        }
         if (lane == 0) {
-          sm90::mbar_arrive(&dec_full[ds]);
+          if (kPair && tw == 0) {
+            sm90::mbar_arrive_expect_tx(&dec_full[ds], kDecHalfBytes);
+            const uint8_t* src = dec_stage(ds) + rank * kDecHalfBytes;
+            sm90::bulk_copy_s2peer(peer_smem + static_cast<uint32_t>(src - smem), src, kDecHalfBytes,
+                                   sm90::peer_smem_addr(&dec_full[ds], peer));
+          } else {
+            sm90::mbar_arrive(&dec_full[ds]);
+          }
           if (half == 1) sm90::mbar_arrive(&raw_empty[rs]);
         }
       }
@@ -354,6 +402,7 @@ __global__ void __launch_bounds__(Config<NT>::kThreads, 1)
       sm90::cluster_sync();
       sm90::cluster_sync();
     }
+    if (kPair) sm90::cluster_sync();  // the MMA warps' one
   }
 
 }
@@ -393,12 +442,13 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, CUtensorMapDataT
 // 64 columns (128-byte swizzle, the wgmma B operand); the prepacked weight
 // ([N rows, Kp / 2] codes, [N, Kp / 16] scales; N a multiple of 16, all
 // experts of a stack) as [N / 16 tile rows, tiles of 1024 / 128 bytes] of
-// 32-bit words, in boxes of 8 tile rows x one tile (a raw stage).
+// 32-bit words, in boxes of raw_tiles tile rows x one tile (a raw stage:
+// 8, pairs 4).
 struct Maps {
   CUtensorMap x, code, scale;
 };
 inline cudaError_t make_maps(Maps& maps, const void* x, DType dtype, int64_t x_rows, int64_t k, int nt,
-                             const uint8_t* weight, const uint8_t* scale, int64_t n) {
+                             const uint8_t* weight, const uint8_t* scale, int64_t n, int raw_tiles = kRawTiles) {
   const int64_t tiles_k = padded_k(k) / kTileK, row_tiles = n / kTileN;
   cudaError_t err = make_map(&maps.x, x,
                              dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -406,27 +456,32 @@ inline cudaError_t make_maps(Maps& maps, const void* x, DType dtype, int64_t x_r
                              x_rows, k, k * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (err == cudaSuccess)
     err = make_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileBytes / 4,
-                   tiles_k * kTileBytes, kRawTiles, kTileBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+                   tiles_k * kTileBytes, raw_tiles, kTileBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (err == cudaSuccess)
     err = make_map(&maps.scale, scale, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileScaleBytes / 4,
-                   tiles_k * kTileScaleBytes, kRawTiles, kTileScaleBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+                   tiles_k * kTileScaleBytes, raw_tiles, kTileScaleBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
   return err;
 }
 
-// Launches gemm_kernel<T, NT, Problem> on grid (splits, w_blocks, tiles)
-// (cluster of `splits`), as a programmatic dependent launch.
-template <typename T, int NT, typename Problem>
+// Launches gemm_kernel<T, NT, kPair, Problem> on grid (splits, w_blocks,
+// tiles) (cluster of `splits`), or for pairs (splits 1; maps with 4 raw
+// tiles) on grid (2, w_blocks, tiles / 2 rounded up) in clusters of 2, as a
+// programmatic dependent launch.
+template <typename T, int NT, bool kPair = false, typename Problem>
 cudaError_t launch(const Maps& maps, const Problem& problem, int64_t k, int splits, int64_t w_blocks, int64_t tiles,
                    cudaStream_t stream) {
-  using C = Config<NT>;
-  auto kernel = gemm_kernel<T, NT, Problem>;
+  using C = Config<NT, kPair>;
+  auto kernel = gemm_kernel<T, NT, kPair, Problem>;
   cudaError_t err = cuda::allow_dynamic_smem(kernel, C::kSmemBytes);
   if (err != cudaSuccess) return err;
+  if (kPair && splits != 1) return cudaErrorInvalidValue;
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int tiles_per_split = static_cast<int>(cuda::ceil_div(tiles_k, splits));
+  const int cluster = kPair ? 2 : splits;
+  const int64_t z = kPair ? cuda::ceil_div(tiles, 2) : tiles;
   return cuda::launch_dependent_clusters(
-      kernel, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(w_blocks), static_cast<unsigned>(tiles)),
-      dim3(static_cast<unsigned>(splits), 1, 1), dim3(C::kThreads), C::kSmemBytes, stream, maps.x, maps.code,
+      kernel, dim3(static_cast<unsigned>(cluster), static_cast<unsigned>(w_blocks), static_cast<unsigned>(z)),
+      dim3(static_cast<unsigned>(cluster), 1, 1), dim3(C::kThreads), C::kSmemBytes, stream, maps.x, maps.code,
       maps.scale, problem, k, tiles_per_split);
 }
 
@@ -435,7 +490,7 @@ cudaError_t launch(const Maps& maps, const Problem& problem, int64_t k, int spli
 template <int NT, typename Problem>
 int64_t resident_clusters(int splits) {
   using C = Config<NT>;
-  return cuda::resident_clusters(gemm_kernel<__nv_bfloat16, NT, Problem>, C::kThreads, C::kSmemBytes, splits);
+  return cuda::resident_clusters(gemm_kernel<__nv_bfloat16, NT, false, Problem>, C::kThreads, C::kSmemBytes, splits);
 }
 
 }  // namespace lowbit::nvfp4::gemm::wgmma

@@ -86,10 +86,34 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// 16 bytes of CTA `rank`'s shared memory at the address that p has in this CTA.
-__device__ __forceinline__ float4 ld_shared_cluster_f4(const void* p, uint32_t rank) {
+// The shared::cluster address of CTA `rank`'s shared memory at the address
+// that p has in this CTA.
+__device__ __forceinline__ uint32_t peer_smem_addr(const void* p, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  return remote;
+}
+// Copies `bytes` (a multiple of 16, 16-byte aligned) of this CTA's shared
+// memory into another CTA's (dst and its mbarrier: peer_smem_addr), which
+// counts them on that mbarrier's tx-count. The source is read by the async
+// proxy: fence_proxy_async after writing it.
+__device__ __forceinline__ void bulk_copy_s2peer(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   dst),
+               "r"(smem_addr(src)), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Arrives on an mbarrier of another CTA (address from peer_smem_addr), with
+// the default semantics (release at CTA scope), enough to say "done reading
+// a buffer" after wgmma.wait_group. .release.cluster stalled each arriving
+// MMA warp: the paired wgmma kernel ran 0.65x cuBLAS with it, 0.93x without
+// (docs/PERF.md, Linear v14).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+}
+// 16 bytes of CTA `rank`'s shared memory at the address that p has in this CTA.
+__device__ __forceinline__ float4 ld_shared_cluster_f4(const void* p, uint32_t rank) {
+  const uint32_t remote = peer_smem_addr(p, rank);
   float4 v;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)

@@ -302,8 +302,10 @@ def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
     "n,k,ms",
     [
         # 97 blocks of 128 W rows, the last cut at 16 rows; a partial last
-        # k-tile; partial 256-token tiles, K split in two at M = 300.
-        (16 * 769, 2176, (300, 1000)),
+        # k-tile; partial 256-token tiles, K split in two at M = 300; CTAs
+        # in pairs (linear_wgmma_pairs) at M = 1000 and 1100, whose fifth
+        # token tile pairs with one past M.
+        (16 * 769, 2176, (300, 1000, 1100)),
         # 8 output tiles: K (15 k-tiles, the last one partial) split over
         # clusters of 8 CTAs, the last split one k-tile long.
         (1024, 1904, (129, 256)),
