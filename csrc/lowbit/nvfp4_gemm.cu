@@ -392,7 +392,7 @@ bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
   }();
   if (forced >= 0) return forced == 1;
   const int64_t weights = n * k;
-  if (mt == 2) return weights >= (int64_t{1} << 26);
+  if (mt == 2) return weights >= (int64_t{1} << 25);  // Linear v14b: 1024 x 32768, 1536 x 24576
   if (mt == 4) return n >= 7168 || k >= 7168;
   return m > 64 || weights > (int64_t{1} << 23);
 }

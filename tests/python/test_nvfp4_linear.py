@@ -329,7 +329,7 @@ def test_cuda_wgmma_edges(dtype, n, k, ms):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [16 * 385, 16 * 449, 16 * 521])
 def test_cuda_wide_wgmma_edges(dtype, n):
-    # On an H100 (gemm::linear_plan) the wide kernel runs on wgmma: over 2^26
+    # On an H100 (gemm::linear_plan) the wide kernel runs on wgmma: from 2^25
     # weights (N >= 7184 here) at 9..16 rows of x (MT = 2), with K >= 7168 at
     # 17..32 (MT = 4), and 33..128 uses MT = 8 with one and two row blocks.
     # K splits go through partials at N = 6160 (and at N = 7184 with MT 2
@@ -368,7 +368,9 @@ def test_cuda_small_m_kernel_shapes(n, k):
     # tile, uncapped (more than 1.5 waves). K = 2064 and 4112 give the
     # stream kernel 4 and 8 warps per tile, too many for the cap, so M 1..4
     # run the narrow kernel with 1 (1400 tiles) and 2 (700 tiles) warps per
-    # tile. M 9..16 run the wide kernel on all but 350 tiles.
+    # tile. M 9..16 run the wide kernel on all but 350 tiles: on wgmma from
+    # 2^25 weights (3200 and 2048 tiles at K = 1168, both larger K), on
+    # mma.sync below (1400, 1152 and 700 tiles at K = 1168).
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
