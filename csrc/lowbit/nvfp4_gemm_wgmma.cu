@@ -72,11 +72,12 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
 int linear_wgmma_tokens(int64_t m) { return m <= 128 ? 128 : 256; }
 
 bool linear_wgmma_pairs(int64_t m, int64_t splits) {
-  // Pairs halve each CTA's decode but tie two CTAs together; measured
-  // (docs/PERF.md, Linear v14) they win from 4 token tiles of 256 (M >
-  // 768), lose with one (a pair's second CTA has no tokens) and lose on
-  // short K at M >= 4096 against unpack + cuBLAS. LOWBIT_WGMMA_PAIR=0|1
-  // (read once) forces them off or on (where possible), for benchmarks.
+  // Pairs halve each CTA's decode but tie two CTAs together. Measured
+  // (docs/PERF.md, Linear v14): from 4 token tiles of 256 (M 1024-2048)
+  // mostly 2-8% faster; with one (M = 256) 2x slower, as a pair's second
+  // CTA has no tokens; 2 and 3 tiles not measured, left unpaired.
+  // LOWBIT_WGMMA_PAIR=0|1 (read once) forces them off or on (where the
+  // tiles are 256 tokens and K is not split), for benchmarks.
   static const int forced = [] {
     const char* v = std::getenv("LOWBIT_WGMMA_PAIR");
     return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
