@@ -51,7 +51,6 @@ namespace lowbit::nvfp4::gemm::wgmma {
 
 constexpr int kBN = 128;                                              // W rows per tile
 constexpr int kRawTiles = kBN / kTileN;                               // prepacked tiles per raw stage
-constexpr int kRawBytes = kRawTiles * (kTileBytes + kTileScaleBytes);  // 128 columns: 9 KB
 constexpr int kStepK = 64;                                            // columns per x / decoded step
 constexpr int kRowBytes = kStepK * 2;                                 // 128: one swizzled x row
 constexpr int kMaxSplits = 8;                                         // portable cluster size
@@ -76,7 +75,7 @@ struct Config {
   static_assert(!kPair || NT == 256, "pairs: 4 transform warps, one W tile each");
   static constexpr int kTransformWarps = NT == 256 ? 4 : 8;
   static constexpr int kRawTilesCta = kPair ? kRawTiles / 2 : kRawTiles;  // W tiles this CTA copies and decodes
-  static constexpr int kRawBytesCta = kRawTilesCta * (kTileBytes + kTileScaleBytes);
+  static constexpr int kRawBytesCta = kRawTilesCta * (kTileBytes + kTileScaleBytes);  // a raw stage: 9 KB, pairs 4.5
   static constexpr int kTilesPerWarp = kRawTilesCta / kTransformWarps;  // W tiles a transform warp decodes per step
   static constexpr int kThreads = 256 + 32 * kTransformWarps;        // 2 MMA warpgroups + transform warps
   static constexpr int kXBytes = NT * kRowBytes;                      // 16 or 32 KB
@@ -191,7 +190,13 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
 
   const int64_t tiles_k = padded_k(k) / kTileK;
   const int split = kPair ? 0 : blockIdx.x, splits = kPair ? 1 : gridDim.x;
-  const uint32_t rank = kPair ? blockIdx.x : 0, peer = rank ^ 1;  // pairs: this CTA and the other
+  const uint32_t rank = kPair ? blockIdx.x : 0;  // pairs: this CTA's place in the pair
+  // Pairs: the other CTA's shared::cluster address of a byte of this CTA's
+  // shared memory (the same offset there).
+  const uint32_t peer_base = kPair ? sm90::peer_smem_addr(smem, rank ^ 1) : 0;
+  auto in_peer = [&](const void* p) {
+    return peer_base + static_cast<uint32_t>(static_cast<const uint8_t*>(p) - smem);
+  };
   const int kc0 = split * tiles_per_split;
   const int ktiles = static_cast<int>(std::min<int64_t>(tiles_k, kc0 + tiles_per_split)) - kc0;
   const int steps = 2 * ktiles;
@@ -253,7 +258,7 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
         if (lane == 0) {
           sm90::mbar_arrive(&x_empty[slot_of<C::kXStages>(prev)]);
           sm90::mbar_arrive(&dec_empty[slot_of<C::kDecStages>(prev)]);
-          if (kPair) sm90::mbar_arrive_remote(sm90::peer_smem_addr(&dec_empty[slot_of<C::kDecStages>(prev)], peer));
+          if (kPair) sm90::mbar_arrive_remote(in_peer(&dec_empty[slot_of<C::kDecStages>(prev)]));
         }
         if (threadIdx.x == 0 && prev + C::kXStages < steps) {  // refill the slot once both warpgroups left it
           sm90::mbar_wait(&x_empty[slot_of<C::kXStages>(prev)], phase_of<C::kXStages>(prev));
@@ -326,7 +331,6 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
       sm90::tma_load_2d(raw_stage(rs) + C::kRawTilesCta * kTileBytes, &scale_map, (kc0 + q) * (kTileScaleBytes / 4),
                         tile.w_tile_row + raw_tile0, &raw_full[rs]);
     };
-    const uint32_t peer_smem = kPair ? sm90::peer_smem_addr(smem, peer) : 0;
     if (copier) {
       cuda::wait_for_previous_grid();
       for (int q = 0; q < min(ktiles, int{C::kRawStages}); ++q) load_raw(q);
@@ -388,8 +392,7 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
           if (kPair && tw == 0) {
             sm90::mbar_arrive_expect_tx(&dec_full[ds], kDecHalfBytes);
             const uint8_t* src = dec_stage(ds) + rank * kDecHalfBytes;
-            sm90::bulk_copy_s2peer(peer_smem + static_cast<uint32_t>(src - smem), src, kDecHalfBytes,
-                                   sm90::peer_smem_addr(&dec_full[ds], peer));
+            sm90::bulk_copy_s2peer(in_peer(src), src, kDecHalfBytes, in_peer(&dec_full[ds]));
           } else {
             sm90::mbar_arrive(&dec_full[ds]);
           }
