@@ -57,11 +57,11 @@ cudaError_t allow_dynamic_smem(const void* kernel, int bytes) {
 
 int64_t resident_clusters(const void* kernel, int threads, int smem, int cluster) {
   static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, int>, int64_t> cached;  // (kernel, device, cluster)
+  static std::map<std::tuple<const void*, int, int, int>, int64_t> cached;  // (kernel, device, cluster, smem)
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) dev = 0;
   const std::lock_guard<std::mutex> lock(mutex);
-  int64_t& slot = cached[{kernel, dev, cluster}];
+  int64_t& slot = cached[{kernel, dev, cluster, smem}];
   if (slot > 0) return slot;
   int clusters = 0;
   cudaLaunchAttribute attr[1];

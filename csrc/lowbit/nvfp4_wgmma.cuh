@@ -36,9 +36,6 @@
 // the tensor pipe is half as much per CTA.
 #pragma once
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -46,6 +43,7 @@
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
 #include "lowbit/sm90.cuh"
+#include "lowbit/tensor_map.h"
 
 namespace lowbit::nvfp4::gemm::wgmma {
 
@@ -410,37 +408,6 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
 
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link
-// against libcuda).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A 2-D tensor map: rows x cols elements (row stride `row_bytes`), boxes of
-// box_rows x box_cols, zeros out of range.
-inline cudaError_t make_map(CUtensorMap* map, const void* base, CUtensorMapDataType type, int64_t rows, int64_t cols,
-                     int64_t row_bytes, int box_rows, int box_cols, CUtensorMapSwizzle swizzle) {
-  auto encode = tensor_map_encoder();
-  if (!encode) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // The kernel's three tensor maps: x [rows, K] (dtype) in boxes of NT rows x
 // 64 columns (128-byte swizzle, the wgmma B operand); the prepacked weight
 // ([N rows, Kp / 2] codes, [N, Kp / 16] scales; N a multiple of 16, all
@@ -453,15 +420,15 @@ struct Maps {
 inline cudaError_t make_maps(Maps& maps, const void* x, DType dtype, int64_t x_rows, int64_t k, int nt,
                              const uint8_t* weight, const uint8_t* scale, int64_t n, int raw_tiles = kRawTiles) {
   const int64_t tiles_k = padded_k(k) / kTileK, row_tiles = n / kTileN;
-  cudaError_t err = make_map(&maps.x, x,
+  cudaError_t err = cuda::make_tensor_map(&maps.x, x,
                              dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                              x_rows, k, k * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (err == cudaSuccess)
-    err = make_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileBytes / 4,
+    err = cuda::make_tensor_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileBytes / 4,
                    tiles_k * kTileBytes, raw_tiles, kTileBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (err == cudaSuccess)
-    err = make_map(&maps.scale, scale, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileScaleBytes / 4,
+    err = cuda::make_tensor_map(&maps.scale, scale, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileScaleBytes / 4,
                    tiles_k * kTileScaleBytes, raw_tiles, kTileScaleBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
   return err;
 }
