@@ -1,6 +1,6 @@
 // CUDA kernels of the NVFP4 Linear: prepack, unpack (dequantize the prepacked
 // weight, used by the largest-M path: unpack + cuBLAS in the binding), the
-// three mma.sync GEMMs below and linear_plan, which also picks the wgmma
+// four mma.sync GEMMs below and linear_plan, which also picks the wgmma
 // kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
 //
 // Stream (M <= 8) and narrow (M <= 16): one CTA of 1, 2, 4 or 8 warps per
@@ -12,15 +12,19 @@
 // (warp_mainloop, 16 warps per SM). The warps' partial sums are added in a
 // fixed order in shared memory. Launched as programmatic dependents: their
 // first W tiles go to L2 while the previous kernel finishes.
+// Panel (M 12..16 where it runs in one wave): 8 warps on 128 rows of W over
+// one chunk of K, whose 16 rows of x a tensor copy puts in shared memory at
+// the start; each warp streams its W tile as the stream kernel does
+// (panel_mainloop). K splits add up in a cluster (two) or through partials.
 // Wide (M <= 128, and 9..16 with many W tiles): 8 warps on 128 rows of W
 // sharing 16, 32 or 64 rows of x staged in shared memory, K split to fill
 // the SMs; the MMAs on mma.sync (wide_mainloop) or, after a pass that writes
 // x in the shared-memory layout (the x image), on wgmma with x staged by one
 // bulk copy per k-tile (wide_wgmma_mainloop).
-// Both apply global * 2^8 and the bias in the epilogue when K is not split;
+// All apply global * 2^8 and the bias in the epilogue when K is not split;
 // otherwise they write FP32 partials and split_reduce_kernel, launched as a
 // programmatic dependent, adds them in split order (deterministic: no
-// atomics).
+// atomics), or add the splits in a cluster.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -30,6 +34,7 @@
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/nvfp4_mma.cuh"
+#include "lowbit/tensor_map.h"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
@@ -237,11 +242,13 @@ static_assert(kWideCtasPerSm<2> == kWideCtasPerSm<4>, "linear_plan counts MT = 2
 // 18432, three splits wrote and read 28 MB) and no reduce launch.
 constexpr int kWideMaxSplits = 8;  // portable cluster size
 constexpr int kDumpStride = kWarps * kTileN + 4;  // floats per x row: 4-word skew, conflict-free dump
+template <int MT> constexpr int kDumpBytes = 8 * MT * kDumpStride * 4;
+// dump: kDumpBytes<MT> of the CTA's shared memory, free once every warp is
+// past its main loop (the panel kernel uses it too).
 template <typename T, int MT>
 __device__ __forceinline__ void wide_cluster_finish(const float (&acc)[MT][4], float* dump, int64_t m0, int64_t o0,
                                                     int64_t m, int64_t n, const float* __restrict__ global_scale,
                                                     const T* __restrict__ bias, T* __restrict__ out) {
-  static_assert(8 * MT * kDumpStride * 4 <= sizeof(mma::WideWgmmaSmem<T, MT>), "the dump reuses the ring");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   __syncthreads();  // every warp is past its last read of the ring
 #pragma unroll
@@ -280,13 +287,33 @@ __device__ __forceinline__ void wide_cluster_finish(const float (&acc)[MT][4], f
   sm90::cluster_sync();  // no CTA leaves while another reads its dump
 }
 
+// A warp's sums (16 rows of W tile nt x 8 MT rows of x from m0, mma C
+// layout) through finish_output: the output, or split blockIdx.z's partials.
+template <typename T, int MT>
+__device__ __forceinline__ void store_warp_tile(const float (&acc)[MT][4], int64_t nt, int64_t m0, int64_t m,
+                                                int64_t n, const float* __restrict__ global_scale,
+                                                const T* __restrict__ bias, T* __restrict__ out, float* partials) {
+  const int lane = threadIdx.x % 32, tq = lane % 4;
+  const int64_t o = nt * kTileN + lane / 4;  // acc[mt][i]: W row o at x row 8 mt + 2 tq + i; acc[mt][2 + i]: row o + 8
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t row = m0 + mt * 8 + 2 * tq + i;
+      if (row >= m) continue;
+      finish_output(acc[mt][i], row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out, partials);
+      finish_output(acc[mt][2 + i], row * n + o + 8, o + 8, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
+                    partials);
+    }
+}
+
 template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   cuda::allow_dependent_launch();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int warp = threadIdx.x / 32;
   const int64_t nt = int64_t(blockIdx.x) * 8 + warp;
   const bool active = nt < n / kTileN;
   const int64_t m0 = int64_t(blockIdx.y) * 8 * MT;
@@ -298,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
   extern __shared__ uint4 wide_smem[];
   float acc[MT][4];
   if constexpr (kWg) {  // x: its image (wide_x_image_kernel)
+    static_assert(kDumpBytes<MT> <= sizeof(mma::WideWgmmaSmem<T, MT>), "the dump reuses the ring");
     const uint8_t* image =
         reinterpret_cast<const uint8_t*>(x) + blockIdx.y * tiles_k * mma::WideWgmmaX<MT>::kStageBytes;
     auto& sm = *reinterpret_cast<mma::WideWgmmaSmem<T, MT>*>(wide_smem);
@@ -315,37 +343,90 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
     auto& sm = *reinterpret_cast<mma::WideSmem<T, MT>*>(wide_smem);
     mma::wide_mainloop<T, MT>(acc, sm, xsrc, wtiles, stiles, active, k, kc0, kc1);
   }
-  if (!active) return;
-  const int64_t o = nt * kTileN + g;  // acc[mt][i]: W row o at x row 8 mt + 2 tq + i; acc[mt][2 + i]: row o + 8
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t row = m0 + mt * 8 + 2 * tq + i;
-      if (row >= m) continue;
-      finish_output(acc[mt][i], row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out, partials);
-      finish_output(acc[mt][2 + i], row * n + o + 8, o + 8, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
-                    partials);
-    }
+  if (active) store_warp_tile<T, MT>(acc, nt, m0, m, n, global_scale, bias, out, partials);
 }
 
-// out = sum over splits of partials [splits, M, N], in split order, * global + bias.
+// ---- 12..16 rows: the panel kernel -------------------------------------------
+// grid (ceil(N / 128), ceil(M / (8 MT)), splits): 8 warps on 8 consecutive W
+// tiles over one K split, x's chunk in shared memory (nvfp4_mma.cuh,
+// panel_mainloop). K splits: partials null, a cluster (1, 1, splits) adds
+// them (wide_cluster_finish); else FP32 partials for split_reduce_kernel.
+// Dynamic shared memory: panel_smem_bytes(MT, k-tiles per split), or more
+// (panel_spread_smem).
+constexpr int kPanelCtasPerSm = 3;  // at most (panel_spread_smem)
+constexpr int kPanelMt = 2;         // 16 rows of x (fewer: zeros)
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, kPanelCtasPerSm) linear_panel_kernel(
+    const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
+    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  static_assert(mma::kPanelWarps * 32 == kThreads, "wide_cluster_finish: 8 warps");
+  static_assert(mma::panel_smem_bytes(MT, 0) >= kDumpBytes<MT>, "the dump reuses the rings");
+  cuda::allow_dependent_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nt = int64_t(blockIdx.x) * mma::kPanelWarps + warp;
+  const bool active = nt < n / kTileN;
+  const int64_t m0 = int64_t(blockIdx.y) * 8 * MT;
+  const int64_t tiles_k = padded_k(k) / kTileK;
+  const int64_t kc0 = int64_t(blockIdx.z) * tiles_per_split, kc1 = min(tiles_k, kc0 + tiles_per_split);
+  const uint4* wtiles = mma::tile_row_codes(weight, active ? nt : 0, tiles_k);
+  const uint4* stiles = mma::tile_row_scales(scale, active ? nt : 0, tiles_k);
+  // The first W k-tiles start towards L2 while the previous kernel (which
+  // may write x) finishes.
+  if (active && lane == 0) mma::prefetch_ktiles_l2(wtiles, stiles, kc0, min(kc1, kc0 + mma::kPanelStages - 1));
+  cuda::wait_for_previous_grid();
+  extern __shared__ __align__(128) uint4 panel_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(panel_smem);
+  float acc[MT][4];
+  mma::panel_mainloop<T, MT>(acc, smem, &x_map, m0, wtiles, stiles, active, kc0, kc1);
+  if (gridDim.z > 1 && partials == nullptr) {
+    wide_cluster_finish<T, MT>(acc, reinterpret_cast<float*>(smem), m0, int64_t(blockIdx.x) * mma::kPanelWarps * kTileN,
+                               m, n, global_scale, bias, out);
+    return;
+  }
+  if (active) store_warp_tile<T, MT>(acc, nt, m0, m, n, global_scale, bias, out, partials);
+}
+
+// out = sum over splits of partials [splits, M, N], in split order, * global
+// + bias; a thread per 4 consecutive outputs (N is a multiple of 16). The
+// loads of 8 splits are all in flight before the first add: one round trip
+// to L2 per 8 splits, not per split.
 template <typename T>
 __global__ void split_reduce_kernel(const float* __restrict__ partials, int64_t splits, int64_t m, int64_t n,
                                     const float* __restrict__ global_scale, const T* __restrict__ bias,
                                     T* __restrict__ out) {
+  constexpr int kBatch = 8;
+  cuda::allow_dependent_launch();  // the next kernel's prologue (its first W copies) overlaps this one
   cuda::wait_for_previous_grid();
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= m * n) return;
-  float sum = 0.f;
-  for (int64_t s = 0; s < splits; ++s) sum += partials[s * m * n + i];
-  finish_output(sum, i, i % n, 0, 1, m * n, global_scale, bias, out, static_cast<float*>(nullptr));
+  const int64_t i = 4 * (int64_t(blockIdx.x) * blockDim.x + threadIdx.x), outputs = m * n;
+  if (i >= outputs) return;
+  float v[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t s0 = 0; s0 < splits; s0 += kBatch) {
+    float4 part[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (s0 + b < splits) part[b] = *reinterpret_cast<const float4*>(partials + (s0 + b) * outputs + i);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (s0 + b < splits) {
+        v[0] += part[b].x;
+        v[1] += part[b].y;
+        v[2] += part[b].z;
+        v[3] += part[b].w;
+      }
+  }
+  const float scale = __ldg(global_scale) * kDecodeUnscale;
+  const int64_t o = i % n;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = v[e] * scale + (bias ? cuda::to_float(bias[o + e]) : 0.f);
+  cuda::store4(out + i, v);
 }
 
 template <typename T>
 cudaError_t launch_split_reduce(const LinearArgs& a, int64_t splits, cudaStream_t stream) {
-  return cuda::launch_dependent(split_reduce_kernel<T>, dim3(unsigned(cuda::ceil_div(a.m * a.n, 256))), dim3(256), 0,
-                                stream, static_cast<const float*>(a.workspace), splits, a.m, a.n, a.global_scale,
+  const dim3 grid(unsigned(cuda::ceil_div(a.m * a.n, 4 * 256)));
+  return cuda::launch_dependent(split_reduce_kernel<T>, grid, dim3(256), 0, stream,
+                                static_cast<const float*>(a.workspace), splits, a.m, a.n, a.global_scale,
                                 static_cast<const T*>(a.bias), static_cast<T*>(a.out));
 }
 
@@ -417,9 +498,9 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     // K splits: one cluster per tile, added in the kernel (wide_cluster_finish),
     // or FP32 partials after the image, added by split_reduce_kernel.
-    partials = p.wide_cluster ? nullptr : reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
+    partials = p.splits_in_cluster ? nullptr : reinterpret_cast<float*>(image + wide_image_bytes(a.m, a.k, MT));
     err = cuda::launch_dependent_clusters(linear_wide_kernel<T, MT, kWg>, grid,
-                                          dim3(1, 1, p.wide_cluster ? grid.z : 1), dim3(kThreads), smem, stream,
+                                          dim3(1, 1, p.splits_in_cluster ? grid.z : 1), dim3(kThreads), smem, stream,
                                           reinterpret_cast<const T*>(image), a.weight, a.scale, a.global_scale,
                                           static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n,
                                           a.k, per_split);
@@ -433,6 +514,48 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
   LinearArgs reduce_args = a;
   reduce_args.workspace = partials;
   return launch_split_reduce<T>(reduce_args, p.splits, stream);
+}
+
+// Shared memory for a panel launch of `ctas` CTAs in clusters of `cluster`:
+// padded so that each SM takes the fewest CTAs that still run the grid in
+// one wave, and never more than kPanelCtasPerSm (24 warps). Left to fill SMs
+// as far as shared memory allows, a grid smaller than the device is packed
+// onto fewer SMs (docs/PERF.md, Linear v13); 32 warps per SM ran slower
+// (Linear v15).
+template <typename Kernel>
+int panel_spread_smem(Kernel kernel, int bytes, int64_t ctas, int cluster) {
+  const int64_t sms = cuda::num_sms();
+  for (int per_sm = static_cast<int>(std::max<int64_t>(1, cuda::ceil_div(ctas, sms))); per_sm < kPanelCtasPerSm;
+       ++per_sm) {
+    const int padded = cuda::smem_for_ctas_per_sm(bytes, per_sm);
+    if (cuda::resident_clusters(kernel, kThreads, padded, cluster) * cluster >= ctas) return padded;
+  }
+  return cuda::smem_for_ctas_per_sm(bytes, kPanelCtasPerSm);
+}
+
+template <typename T, int MT>
+cudaError_t launch_panel(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  const int64_t tiles_k = padded_k(a.k) / kTileK, per_split = cuda::ceil_div(tiles_k, p.splits);
+  const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, mma::kPanelWarps)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
+                  unsigned(p.splits));
+  const int cluster = p.splits_in_cluster ? static_cast<int>(p.splits) : 1;
+  const int smem = panel_spread_smem(linear_panel_kernel<T, MT>, mma::panel_smem_bytes(MT, per_split),
+                                     int64_t(grid.x) * grid.y * grid.z, cluster);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_panel_kernel<T, MT>, smem);
+  if (err != cudaSuccess) return err;
+  CUtensorMap x_map;
+  err = cuda::make_tensor_map(&x_map, a.x,
+                              a.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                              a.m, a.k, a.k * 2, 8 * MT, mma::kPanelXBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (err != cudaSuccess) return err;
+  float* partials = p.splits > 1 && !p.splits_in_cluster ? static_cast<float*>(a.workspace) : nullptr;
+  err = cuda::launch_dependent_clusters(linear_panel_kernel<T, MT>, grid, dim3(1, 1, cluster),
+                                        dim3(kThreads), smem, stream, x_map, a.weight, a.scale, a.global_scale,
+                                        static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n,
+                                        a.k, per_split);
+  if (err != cudaSuccess || partials == nullptr) return err;
+  return launch_split_reduce<T>(a, p.splits, stream);
 }
 
 template <typename T, int MT, int W>
@@ -501,6 +624,8 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
       return p.mt == 4 ? launch_wide<T, 4, false>(a, p, stream) : launch_wide<T, 8, false>(a, p, stream);
     case LinearPath::kWgmma:
       return linear_wgmma_cuda(a, p, stream);
+    case LinearPath::kPanel:
+      return launch_panel<T, kPanelMt>(a, p, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -580,6 +705,7 @@ int forced_path() {
     if (s == "narrow") return static_cast<int>(LinearPath::kNarrow);
     if (s == "wide") return static_cast<int>(LinearPath::kWide);
     if (s == "wgmma") return static_cast<int>(LinearPath::kWgmma);
+    if (s == "panel") return static_cast<int>(LinearPath::kPanel);
     if (s == "unpack") return static_cast<int>(LinearPath::kUnpack);
     return -1;
   }();
@@ -629,6 +755,45 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 }
 }  // namespace
 
+// The panel kernel's shape at M <= 16: its K splits and how they are added.
+// A CTA holds its chunk of x in shared memory, so a split has at most
+// kPanelMaxChunk k-tiles; among the split counts that allow, the one
+// minimizing waves x (k-tiles per split + 4), the 4 standing for a CTA's
+// fill and the sum. Two splits add up in a cluster (distributed shared
+// memory); more write FP32 partials for split_reduce_kernel, as clusters of
+// 4-8 of these CTAs are placed badly (docs/PERF.md, Linear v15).
+// LOWBIT_PANEL_SPLITS (read once) forces the count, for benchmarks.
+// splits 0: K is too long for the chunk.
+struct PanelShape {
+  int64_t splits = 0;
+  bool cluster = false;
+  bool one_wave = false;
+};
+PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
+  static const int forced = [] {
+    const char* v = std::getenv("LOWBIT_PANEL_SPLITS");
+    return v ? std::atoi(v) : 0;
+  }();
+  const int64_t ctas = cuda::ceil_div(ntiles, mma::kPanelWarps) * cuda::ceil_div(m, 8 * kPanelMt);
+  PanelShape best;
+  int64_t best_cost = INT64_MAX;
+  for (int64_t s = 1; s <= kWideMaxSplits && s <= tiles_k; ++s) {
+    const int64_t per = cuda::ceil_div(tiles_k, s);
+    if (cuda::ceil_div(tiles_k, per) != s || per > mma::kPanelMaxChunk) continue;  // no empty split; x fits
+    if (forced > 0 && s != forced) continue;
+    const int cluster = s == 2 ? 2 : 1;
+    const int smem = cuda::smem_for_ctas_per_sm(mma::panel_smem_bytes(kPanelMt, per), kPanelCtasPerSm);
+    const int64_t resident =
+        cuda::resident_clusters(linear_panel_kernel<__nv_bfloat16, kPanelMt>, kThreads, smem, cluster) * cluster;
+    const int64_t waves = cuda::ceil_div(ctas * s, std::max<int64_t>(1, resident)), cost = waves * (per + 4);
+    if (cost < best_cost) {
+      best = {s, cluster > 1, waves == 1};
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -648,7 +813,16 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
   const bool stream = m <= kStreamMaxM &&
                       (m > 4 || stream_spread || (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
-  LinearPath path = stream                              ? LinearPath::kStream
+  // M 12..16: the panel kernel where its grid runs in one wave (Linear v15):
+  // x crosses L2 once per 128 W rows and K chunk, not once per 16 W rows.
+  // Longer K or more W tiles (the 71 MB shapes) stay on the wide kernel.
+  // Below 12 rows the narrow kernel's x traffic (distinct rows only) is
+  // small enough that it matches or beats the panel kernel's fixed cost.
+  const bool panel_asked =
+      m <= kPanelMaxM && (m >= kPanelMinM || forced_path() == static_cast<int>(LinearPath::kPanel));
+  const PanelShape panel = panel_asked ? panel_shape(m, ntiles, tiles_k) : PanelShape{};
+  LinearPath path = stream                               ? LinearPath::kStream
+                    : m >= kPanelMinM && panel.one_wave ? LinearPath::kPanel
                     : m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
                     : m <= kWideMaxM                    ? LinearPath::kWide
                     : m <= kWgmmaMaxM                   ? LinearPath::kWgmma
@@ -656,6 +830,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   if (forced_path() >= 0) path = static_cast<LinearPath>(forced_path());
   p.path = path;
   if (path == LinearPath::kStream && m > kStreamMaxM) p.path = path = LinearPath::kNarrow;
+  if (path == LinearPath::kPanel && panel.splits == 0) p.path = path = LinearPath::kWide;  // M or K too large
   if (path == LinearPath::kStream) {
     p = stream_plan;
   } else if (path == LinearPath::kNarrow) {
@@ -685,14 +860,14 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
     p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt);
-    p.wide_cluster = p.wide_wgmma && (n >= 8192 || (p.mt == 8 && n >= 7168));
-    const int64_t max_splits = std::max<int64_t>(1, p.wide_cluster ? std::min<int64_t>(kWideMaxSplits, tiles_k / 4)
+    p.splits_in_cluster = p.wide_wgmma && (n >= 8192 || (p.mt == 8 && n >= 7168));
+    const int64_t max_splits = std::max<int64_t>(1, p.splits_in_cluster ? std::min<int64_t>(kWideMaxSplits, tiles_k / 4)
                                                                    : tiles_k / 4);
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t splits = 1; splits <= max_splits; ++splits) {
       const int64_t per = cuda::ceil_div(tiles_k, splits);
       const int64_t used = cuda::ceil_div(tiles_k, per);  // no empty split
-      const int64_t resident = p.wide_cluster ? wide_wgmma_resident_ctas(p.mt, static_cast<int>(used))
+      const int64_t resident = p.splits_in_cluster ? wide_wgmma_resident_ctas(p.mt, static_cast<int>(used))
                                             : (p.mt == 8 ? kWideCtasPerSm<8> : kWideCtasPerSm<4>) * sms;  // MT 2 as 4
       const int64_t cost = cuda::ceil_div(ctas * used, resident) * (per + 6);
       if (cost < best_cost) {
@@ -701,6 +876,10 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       }
     }
     p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, best));
+  } else if (path == LinearPath::kPanel) {
+    p.mt = kPanelMt;
+    p.splits = panel.splits;
+    p.splits_in_cluster = panel.cluster;
   } else if (path == LinearPath::kWgmma) {
     p.mt = linear_wgmma_tokens(m);
     p.splits = linear_wgmma_splits(m, n, k);
@@ -710,7 +889,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.splits = 1;
     return p;
   }
-  p.workspace_bytes = p.splits > 1 && !p.wide_cluster ? p.splits * m * n * int64_t{sizeof(float)} : 0;
+  p.workspace_bytes = p.splits > 1 && !p.splits_in_cluster ? p.splits * m * n * int64_t{sizeof(float)} : 0;
   if (p.wide_wgmma) p.workspace_bytes += wide_image_bytes(m, k, p.mt);  // the image, then any partials
   return p;
 }

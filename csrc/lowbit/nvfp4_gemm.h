@@ -59,6 +59,12 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     to that (M <= 4: only where the narrow kernel needs
 //                     several waves, or where such a capped grid brings 10
 //                     warps or more per SM)
+//   kPanelMinM <= M <= kPanelMaxM
+//                     panel kernel, where its grid runs in one wave: 8 warps
+//                     on 128 W rows over one K chunk whose x rows sit in
+//                     shared memory, each warp streaming its W tile through
+//                     a cp.async ring; K splits added in a cluster (2) or
+//                     through partials (more)
 //   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
 //                     when the W tiles alone do not fill the SMs (M 9..16
 //                     with many W tiles: the wide kernel)
@@ -73,13 +79,16 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     in the binding): above 2048 rows the unpack costs less
 //                     than the wgmma kernel's distance to cuBLAS
 //                     (docs/PERF.md, Linear v8)
-// LOWBIT_LINEAR_PATH=stream|narrow|wide|wgmma|unpack in the environment (read once)
-// forces a path for every M, for benchmarks.
+// LOWBIT_LINEAR_PATH=stream|narrow|panel|wide|wgmma|unpack in the
+// environment (read once) forces a path for every M, for benchmarks (panel:
+// M <= 16 and K short enough for its chunks, else the wide kernel).
 constexpr int64_t kStreamMaxM = 8;
+constexpr int64_t kPanelMinM = 12;
+constexpr int64_t kPanelMaxM = 16;
 constexpr int64_t kNarrowMaxM = 16;
 constexpr int64_t kWideMaxM = 128;
 constexpr int64_t kWgmmaMaxM = 2048;
-enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack };
+enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack, kPanel };
 struct LinearPlan {
   LinearPath path;
   int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
@@ -89,7 +98,7 @@ struct LinearPlan {
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
   bool wide_wgmma;           // wide: wgmma after an x image pass, not mma.sync
-  bool wide_cluster;         // wide on wgmma: K splits added in a cluster, not through partials
+  bool splits_in_cluster;    // wide on wgmma, panel: K splits added in a cluster, not through partials
   bool wgmma_pair;           // wgmma: CTAs in pairs that share the decode (nvfp4_wgmma.cuh)
 };
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);

@@ -551,6 +551,14 @@ constexpr int kStreamRowBytes = (kTileK + 16) * 2;  // a padded x row of a k-til
 LOWBIT_HD constexpr int stream_stage_bytes(int rows) {
   return kTileBytes + kTileScaleBytes + (rows + 1) / 2 * 2 * kStreamRowBytes;
 }
+// One W k-tile into the stage at shared address st: the 1 KB of codes from
+// wsrc (this lane's 16 bytes at lane * 16 and 512 + lane * 16), then the
+// 128 bytes of scales from ssrc (lanes 0..7), past L1 (read once).
+__device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, const char* ssrc, int lane) {
+  cp_async16_cg(st + lane * 16, wsrc, 16);
+  cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
+  if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
+}
 // Shared memory of one streaming warp's ring for `rows` rows of x.
 LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
 
@@ -591,9 +599,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
   auto issue = [&]() {
     if (kc_issue < kc_end) {
       const uint32_t st = ring0 + slot_issue * stage_bytes;
-      cp_async16_cg(st + lane * 16, wsrc, 16);
-      cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
-      if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
+      copy_w_ktile(st, wsrc, ssrc, lane);
       const uint32_t bytes = col < k ? 16 : 0;
 #pragma unroll
       for (int j = 0; j < kPairs; ++j)
@@ -632,6 +638,109 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     slot = slot + 1 == kStreamStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
+}
+
+// ---- panel: streaming warps over a chunk of x held in shared memory -----------
+// For 12..16 rows of x (linear_plan), where the narrow kernel reads x again
+// for every 16-row W tile (on 8192 x 4096, 67 MB through L2 beside 19 MB of
+// W: docs/PERF.md, Linear v13) and the wide kernel's CTA-wide ring waits on
+// its slowest warp every k-tile. A panel CTA: kPanelWarps warps on as many
+// consecutive W tiles, all over one chunk of K. The chunk's x rows arrive
+// in shared memory at the start, one tensor copy per k-tile counted on a
+// barrier of its own; every warp streams its own W tile through a private
+// cp.async ring, as stream_mainloop does, and reads x where it lies: no CTA
+// barrier in the loop, and x crosses L2 once per 128 W rows and chunk.
+constexpr int kPanelWarps = 8;
+constexpr int kPanelStages = 4;
+constexpr int kPanelStageBytes = kTileBytes + kTileScaleBytes;  // a W k-tile: codes, then scales
+constexpr int kPanelMaxChunk = 16;                              // k-tiles of x a CTA holds
+// x of a k-tile as its tensor copy leaves it: 8 MT rows of kStreamRowBytes
+// (the k-tile's 128 columns and the next 16, which nothing reads: padded
+// rows, so the 8-byte fragment reads of a half-warp hit distinct banks).
+constexpr int kPanelXBoxCols = kStreamRowBytes / 2;
+// Shared memory: the chunk's x (k-tile j at j * 8 MT * kStreamRowBytes),
+// one W ring per warp, a barrier per k-tile of x.
+LOWBIT_HD constexpr int panel_x_bytes(int mt, int64_t ktiles) {
+  return static_cast<int>(ktiles) * 8 * mt * kStreamRowBytes;
+}
+LOWBIT_HD constexpr int panel_smem_bytes(int mt, int64_t ktiles) {
+  return panel_x_bytes(mt, ktiles) + kPanelWarps * kPanelStages * kPanelStageBytes + 8 * kPanelMaxChunk;
+}
+
+// smem: panel_smem_bytes(MT, kc_end - kc_begin) bytes, 128-byte aligned;
+// kc_end - kc_begin <= kPanelMaxChunk. x_map: x [M, K] in boxes of 8 MT
+// rows x kPanelXBoxCols columns, zeros past M and K (the weight's padding
+// codes are zero, and 0 * stale data could be NaN); the CTA's rows start at
+// m0. wtiles / stiles: this warp's W tile row (ignored when !active: warps
+// past N leave at once). Every thread of the CTA must call it (one CTA
+// barrier: the x barriers' initialization). acc: 16 W rows x 8 MT rows of
+// x, mma C layout.
+template <typename T, int MT>
+__device__ __forceinline__ void panel_mainloop(float (&acc)[MT][4], uint8_t* smem, const void* x_map,
+                                               int64_t m0, const uint4* __restrict__ wtiles,
+                                               const uint4* __restrict__ stiles, bool active, int64_t kc_begin,
+                                               int64_t kc_end) {
+  constexpr int kRows = 8 * MT;
+  constexpr int S = kPanelStages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+  const int ktiles = static_cast<int>(kc_end - kc_begin);
+  const uint32_t xs = sm90::smem_addr(smem);
+  uint64_t* x_full = reinterpret_cast<uint64_t*>(smem + panel_x_bytes(MT, ktiles) +
+                                                 kPanelWarps * kPanelStages * kPanelStageBytes);
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < ktiles; ++j) sm90::mbar_init(&x_full[j], 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int j = 0; j < ktiles; ++j) {
+      sm90::mbar_arrive_expect_tx(&x_full[j], kRows * kStreamRowBytes);
+      sm90::tma_load_2d(smem + j * kRows * kStreamRowBytes, x_map, static_cast<int32_t>((kc_begin + j) * kTileK),
+                        static_cast<int32_t>(m0), &x_full[j]);
+    }
+  if (!active) return;
+  // This warp's W ring: one commit group per k-tile (empty past the end),
+  // so wait_group counts stay uniform.
+  const uint32_t ring0 = xs + panel_x_bytes(MT, ktiles) + warp * (S * kPanelStageBytes);
+  const char* wsrc = reinterpret_cast<const char*>(wtiles + kc_begin * (kTileBytes / 16) + lane);
+  const char* ssrc = reinterpret_cast<const char*>(stiles + kc_begin * (kTileScaleBytes / 16) + lane % 8);
+  int issued = 0, slot_issue = 0;
+  auto issue = [&]() {
+    if (issued < ktiles) copy_w_ktile(ring0 + slot_issue * kPanelStageBytes, wsrc, ssrc, lane);
+    cp_async_commit();
+    ++issued;
+    wsrc += kTileBytes;
+    ssrc += kTileScaleBytes;
+    slot_issue = slot_issue + 1 == S ? 0 : slot_issue + 1;
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue();
+  const int g = lane / 4, t = lane % 4;
+  const uint8_t* xrow = smem + g * kStreamRowBytes + t * 8;
+  const uint8_t* ring = smem + (ring0 - xs);
+  int slot = 0;
+  for (int j = 0; j < ktiles; ++j) {
+    issue();  // refills the slot the previous k-tile read (the __syncwarp below ordered its reads first)
+    cp_async_wait<S - 1>();  // this lane's W copies of k-tile j have landed
+    __syncwarp();            // and every lane's
+    const uint8_t* st = ring + slot * kPanelStageBytes;
+    const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
+    const uint4 sc = reinterpret_cast<const uint4*>(st + kTileBytes)[lane / 4];
+    __syncwarp();
+    sm90::mbar_wait(&x_full[j], 0);  // x's k-tile j has landed
+    const uint8_t* xk = xrow + j * kRows * kStreamRowBytes;
+    const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
+    mma_tile<T, MT>(
+        w, s, [&](int mt, int kt) { return *reinterpret_cast<const uint2*>(xk + mt * 8 * kStreamRowBytes + kt * 32); },
+        acc);
+    slot = slot + 1 == S ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // no copy outlives the loop (the epilogue reuses the buffers)
 }
 
 }  // namespace lowbit::nvfp4::gemm::mma

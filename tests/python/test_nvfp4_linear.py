@@ -368,9 +368,9 @@ def test_cuda_small_m_kernel_shapes(n, k):
     # tile, uncapped (more than 1.5 waves). K = 2064 and 4112 give the
     # stream kernel 4 and 8 warps per tile, too many for the cap, so M 1..4
     # run the narrow kernel with 1 (1400 tiles) and 2 (700 tiles) warps per
-    # tile. M 9..16 run the wide kernel on all but 350 tiles: on wgmma from
-    # 2^25 weights (3200 and 2048 tiles at K = 1168, both larger K), on
-    # mma.sync below (1400, 1152 and 700 tiles at K = 1168).
+    # tile. M 9..16 run the panel kernel where its grid fits one wave
+    # (panel_shape: most of these), else the wide kernel (3200 tiles at
+    # K = 1168 and 1400 at K = 2064, on wgmma).
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
@@ -383,14 +383,47 @@ def test_cuda_small_m_kernel_shapes(n, k):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n,k",
+    [
+        # On an H100 (gemm::linear_plan, panel_shape) 9..16 rows run the panel
+        # kernel here, every shape with a partial last k-tile and a last CTA
+        # with fewer W tiles than warps: K unsplit (257 CTAs, one warp of the
+        # last with a tile); K in two splits added in a cluster (13 k-tiles:
+        # 7 + 6); K in eight splits through partials (57 k-tiles, the last
+        # split one long; 5 of the last CTA's warps with a tile).
+        (16 * 2049, 1168),
+        (16 * 1537, 1552),
+        (16 * 261, 7184),
+    ],
+)
+def test_cuda_panel_edges(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    deq_cuda = deq.cuda()
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
+    for m in (9, 12, 16):  # rows past M arrive as zeros (the x copy's bounds)
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        for b in (None, bias):
+            y = lowbit.nvfp4_linear(x, pw, ps, g, b)
+            want = x.float() @ deq_cuda.T + (0 if b is None else b.float())
+            assert torch.isfinite(y).all()
+            assert rel_err(y, want) <= REL_TOL, (m, b is None)
+        assert torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, g, bias))  # deterministic
+
+
+@cuda
 @pytest.mark.parametrize("m", [1, 16])
 def test_cuda_chained_layers_in_a_graph(m):
-    # Each layer's input is the previous layer's output. The narrow kernel is
-    # a programmatic dependent launch that prefetches W before waiting for the
+    # Each layer's input is the previous layer's output. The kernels are
+    # programmatic dependent launches that prefetch W before waiting for the
     # previous grid: a read of x before that wait would show up here, most
     # likely under graph replay, where launches overlap the most. Every layer
     # is checked against its own actual input, so errors do not compound.
-    # N = 4096 runs unsplit, N = 2048 with split-K and the reduce kernel.
+    # M = 1: N = 4096 runs unsplit, N = 2048 with split-K and the reduce
+    # kernel. M = 16: the panel kernel, K split through partials and the
+    # reduce kernel, which lets the next layer's kernel start early.
     gen = torch.Generator().manual_seed(m)
     layers = [make_weight(n, k, gen, "cuda") for n, k in [(4096, 2048), (2048, 4096)] * 2]
     x0 = torch.randn(m, 2048, generator=gen).to(torch.bfloat16).cuda()
