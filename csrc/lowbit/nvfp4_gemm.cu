@@ -347,19 +347,20 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
 }
 
 // ---- 12..16 rows: the panel kernel -------------------------------------------
-// grid (ceil(N / 128), ceil(M / (8 MT)), splits): 8 warps on 8 consecutive W
+// grid (ceil(N / 128), ceil(M / 16), splits): 8 warps on 8 consecutive W
 // tiles over one K split, x's chunk in shared memory (nvfp4_mma.cuh,
 // panel_mainloop). K splits: partials null, a cluster (1, 1, splits) adds
 // them (wide_cluster_finish); else FP32 partials for split_reduce_kernel.
-// Dynamic shared memory: panel_smem_bytes(MT, k-tiles per split), or more
-// (panel_spread_smem).
+// Dynamic shared memory: panel_smem_bytes(kPanelMt, k-tiles per split), or
+// more (panel_spread_smem).
 constexpr int kPanelCtasPerSm = 3;  // at most (panel_spread_smem)
 constexpr int kPanelMt = 2;         // 16 rows of x (fewer: zeros)
-template <typename T, int MT>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, kPanelCtasPerSm) linear_panel_kernel(
     const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  constexpr int MT = kPanelMt;
   static_assert(mma::kPanelWarps * 32 == kThreads, "wide_cluster_finish: 8 warps");
   static_assert(mma::panel_smem_bytes(MT, 0) >= kDumpBytes<MT>, "the dump reuses the rings");
   cuda::allow_dependent_launch();
@@ -533,15 +534,16 @@ int panel_spread_smem(Kernel kernel, int bytes, int64_t ctas, int cluster) {
   return cuda::smem_for_ctas_per_sm(bytes, kPanelCtasPerSm);
 }
 
-template <typename T, int MT>
+template <typename T>
 cudaError_t launch_panel(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  constexpr int MT = kPanelMt;
   const int64_t tiles_k = padded_k(a.k) / kTileK, per_split = cuda::ceil_div(tiles_k, p.splits);
   const dim3 grid(unsigned(cuda::ceil_div(a.n / kTileN, mma::kPanelWarps)), unsigned(cuda::ceil_div(a.m, 8 * MT)),
                   unsigned(p.splits));
   const int cluster = p.splits_in_cluster ? static_cast<int>(p.splits) : 1;
-  const int smem = panel_spread_smem(linear_panel_kernel<T, MT>, mma::panel_smem_bytes(MT, per_split),
+  const int smem = panel_spread_smem(linear_panel_kernel<T>, mma::panel_smem_bytes(MT, per_split),
                                      int64_t(grid.x) * grid.y * grid.z, cluster);
-  cudaError_t err = cuda::allow_dynamic_smem(linear_panel_kernel<T, MT>, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_panel_kernel<T>, smem);
   if (err != cudaSuccess) return err;
   CUtensorMap x_map;
   err = cuda::make_tensor_map(&x_map, a.x,
@@ -550,7 +552,7 @@ cudaError_t launch_panel(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
                               a.m, a.k, a.k * 2, 8 * MT, mma::kPanelXBoxCols, CU_TENSOR_MAP_SWIZZLE_NONE);
   if (err != cudaSuccess) return err;
   float* partials = p.splits > 1 && !p.splits_in_cluster ? static_cast<float*>(a.workspace) : nullptr;
-  err = cuda::launch_dependent_clusters(linear_panel_kernel<T, MT>, grid, dim3(1, 1, cluster),
+  err = cuda::launch_dependent_clusters(linear_panel_kernel<T>, grid, dim3(1, 1, cluster),
                                         dim3(kThreads), smem, stream, x_map, a.weight, a.scale, a.global_scale,
                                         static_cast<const T*>(a.bias), static_cast<T*>(a.out), partials, a.m, a.n,
                                         a.k, per_split);
@@ -625,7 +627,7 @@ cudaError_t launch_typed(const LinearArgs& a, const LinearPlan& p, cudaStream_t 
     case LinearPath::kWgmma:
       return linear_wgmma_cuda(a, p, stream);
     case LinearPath::kPanel:
-      return launch_panel<T, kPanelMt>(a, p, stream);
+      return launch_panel<T>(a, p, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -784,7 +786,7 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
     const int cluster = s == 2 ? 2 : 1;
     const int smem = cuda::smem_for_ctas_per_sm(mma::panel_smem_bytes(kPanelMt, per), kPanelCtasPerSm);
     const int64_t resident =
-        cuda::resident_clusters(linear_panel_kernel<__nv_bfloat16, kPanelMt>, kThreads, smem, cluster) * cluster;
+        cuda::resident_clusters(linear_panel_kernel<__nv_bfloat16>, kThreads, smem, cluster) * cluster;
     const int64_t waves = cuda::ceil_div(ctas * s, std::max<int64_t>(1, resident)), cost = waves * (per + 4);
     if (cost < best_cost) {
       best = {s, cluster > 1, waves == 1};

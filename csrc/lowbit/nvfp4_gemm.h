@@ -67,7 +67,8 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     through partials (more)
 //   M <= kNarrowMaxM  narrow kernel: 1-8 warps per 16-row W tile, split-K
 //                     when the W tiles alone do not fill the SMs (M 9..16
-//                     with many W tiles: the wide kernel)
+//                     with many W tiles, where the panel kernel does not
+//                     run: the wide kernel)
 //   M <= kWideMaxM    wide kernel: 128 W rows x 16, 32 or 64 x rows per CTA,
 //                     x in shared memory, split-K to fill the SMs; its MMAs
 //                     on wgmma after an x image pass, or on mma.sync where

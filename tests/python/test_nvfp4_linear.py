@@ -368,9 +368,12 @@ def test_cuda_small_m_kernel_shapes(n, k):
     # tile, uncapped (more than 1.5 waves). K = 2064 and 4112 give the
     # stream kernel 4 and 8 warps per tile, too many for the cap, so M 1..4
     # run the narrow kernel with 1 (1400 tiles) and 2 (700 tiles) warps per
-    # tile. M 9..16 run the panel kernel where its grid fits one wave
-    # (panel_shape: most of these), else the wide kernel (3200 tiles at
-    # K = 1168 and 1400 at K = 2064, on wgmma).
+    # tile. M = 9 runs the wide kernel on all but 350 tiles: on wgmma from
+    # 2^25 weights (3200 and 2048 tiles at K = 1168, both larger K), on
+    # mma.sync below (1400, 1152 and 700 tiles at K = 1168). M = 16 runs the
+    # panel kernel where its grid fits one wave (panel_shape: most of
+    # these), else the wide kernel (3200 tiles at K = 1168 and 1400 at
+    # K = 2064, on wgmma).
     gen = torch.Generator().manual_seed(n)
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
@@ -387,8 +390,9 @@ def test_cuda_small_m_kernel_shapes(n, k):
 @pytest.mark.parametrize(
     "n,k",
     [
-        # On an H100 (gemm::linear_plan, panel_shape) 9..16 rows run the panel
-        # kernel here, every shape with a partial last k-tile and a last CTA
+        # On an H100 (gemm::linear_plan, panel_shape) 12..16 rows run the
+        # panel kernel here (9 the narrow or wide kernel, as a check of the
+        # plan's edge), every shape with a partial last k-tile and a last CTA
         # with fewer W tiles than warps: K unsplit (257 CTAs, one warp of the
         # last with a tile); K in two splits added in a cluster (13 k-tiles:
         # 7 + 6); K in eight splits through partials (57 k-tiles, the last
@@ -403,7 +407,7 @@ def test_cuda_panel_edges(dtype, n, k):
     _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
     deq_cuda = deq.cuda()
     bias = torch.randn(n, generator=gen).to(dtype).cuda()
-    for m in (9, 12, 16):  # rows past M arrive as zeros (the x copy's bounds)
+    for m in (9, 12, 16):  # at 12, rows past M arrive as zeros (the x copy's bounds)
         x = torch.randn(m, k, generator=gen).to(dtype).cuda()
         for b in (None, bias):
             y = lowbit.nvfp4_linear(x, pw, ps, g, b)
