@@ -731,28 +731,36 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 }
 
 // The stream kernel's shape: warps per tile, and K split as the narrow
-// kernel's when the tiles are fewer than the SMs. Its CTAs are capped at 16
-// warps per SM when that holds the grid in at most 1.5 waves: left to
-// fill SMs up to what their rings allow (32 warps at 1-4 rows, some shapes
-// at 5-8), a grid smaller than the device is packed onto fewer SMs.
-// Measured in docs/PERF.md, Linear v13: at M = 1 on 8192 x 4096 10.9 us
-// uncapped, 8.2 capped (narrow kernel: 9.2). One warp per tile (its whole
-// K) when the tiles alone bring 12 warps or more per SM and fit the cap in
-// 1.5 waves: 1024 x 32768, M = 1, 9.1 us on 2 warps per tile, 8.5 on one.
+// kernel's when the tiles are fewer than the SMs. Its CTAs are capped per
+// SM: left to fill SMs up to what their rings allow (32 warps at 1-4 rows,
+// some shapes at 5-8), a grid smaller than the device is packed onto fewer
+// SMs. Where the grid fits one wave at 16 warps per SM, the cap is the
+// fewest CTAs per SM that hold it (every SM busy); where 16 warps per SM
+// hold it in at most 1.5 waves, 16 warps. Measured in docs/PERF.md: Linear
+// v13, at M = 1 on 8192 x 4096 10.9 us uncapped, 8.2 capped (narrow
+// kernel: 9.2); v16, 1536 x 24576 (1536 one-warp CTAs) 10.6 us at 16 per
+// SM (96 SMs), 9.4 at 12 (128 SMs). One warp per tile (its whole K) when
+// the tiles alone bring 10 warps or more per SM and fit the cap in 1.5
+// waves: 1024 x 32768, M = 1, 9.1 us on 2 warps per tile, 8.5 on one;
+// 1536 x 24576 10.2 on 2, 9.4 on one (v16).
 LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   constexpr int kSpreadWarpsPerSm = 16;
   const int64_t sms = cuda::num_sms();
   LinearPlan p{};
   p.path = LinearPath::kStream;
   p.mt = 1;
-  p.warps = ntiles >= 12 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
+  p.warps = ntiles >= 10 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
                 : stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
   const int64_t splits =
       ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
   const int spread = kSpreadWarpsPerSm / p.warps;
-  if (2 * ntiles * p.splits <= 3 * spread * sms) p.ctas_per_sm = spread;
+  const int64_t ctas = ntiles * p.splits;
+  if (ctas <= spread * sms)
+    p.ctas_per_sm = static_cast<int>(cuda::ceil_div(ctas, sms));
+  else if (2 * ctas <= 3 * spread * sms)
+    p.ctas_per_sm = spread;
   return p;
 }
 }  // namespace
