@@ -363,12 +363,12 @@ def test_cuda_small_m_kernel_shapes(n, k):
     # On a 132-SM H100 (gemm::linear_plan). K = 1168 (9 full k-tiles and a
     # partial one): the stream kernel runs M 5..8 always and M 1..4 on all
     # but 350 tiles (there: the narrow kernel, 4 warps per tile): on 2048
-    # tiles one warp per tile, at most 16 CTAs per SM; on 1400, 1152 and
-    # 700 two warps per tile, at most 8 CTAs per SM; on 3200 two warps per
-    # tile, uncapped (more than 1.5 waves). K = 2064 and 4112 give the
-    # stream kernel 4 and 8 warps per tile, too many for the cap, so M 1..4
-    # run the narrow kernel with 1 (1400 tiles) and 2 (700 tiles) warps per
-    # tile. M = 9 runs the wide kernel on all but 350 tiles: on wgmma from
+    # and 1400 tiles one warp per tile, at most 16 and 11 CTAs per SM; on
+    # 1152 and 700 two warps per tile, at most 8 and 6 CTAs per SM; on 3200
+    # two warps per tile, uncapped (more than 1.5 waves). K = 2064 on 1400
+    # tiles: one warp per tile as well (its 17 k-tiles), at most 11 CTAs
+    # per SM, M 1..8. K = 4112 gives the stream kernel 8 warps per tile, too
+    # many for the cap, so M 1..4 run the narrow kernel (2 warps per tile). M = 9 runs the wide kernel on all but 350 tiles: on wgmma from
     # 2^25 weights (3200 and 2048 tiles at K = 1168, both larger K), on
     # mma.sync below (1400, 1152 and 700 tiles at K = 1168). M = 16 runs the
     # panel kernel where its grid fits one wave (panel_shape: most of
