@@ -1,8 +1,8 @@
 // CUDA kernels of lowbit::nvfp4_prepack / nvfp4_linear: adapters to the core
 // launchers in csrc/lowbit/nvfp4_gemm*.cu. gemm::linear_plan picks the
-// kernel from M (narrow mma.sync up to 16 rows, wide mma.sync up to 128,
-// wgmma up to 2048) and the workspace it needs (FP32 split-K partials of the
-// mma.sync kernels), taken from the caching allocator. Otherwise
+// kernel from M and the shape (the table in nvfp4_gemm.h: fused kernels up
+// to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
+// kernel's x image), taken from the caching allocator. Above that
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
 // included) into a temporary and cuBLAS runs through at::linear.
 #include <ATen/cuda/CUDAContext.h>

@@ -5,10 +5,10 @@ for :class:`lowbit.nn.Nvfp4Linear` in place.
 The weight is prepacked once, at load time, into the layout of
 ``csrc/lowbit/nvfp4_gemm_layout.h`` (the same on CPU and GPU, so a module can
 be moved with ``.to()``). On CUDA, fused decode + tensor core kernels run
-M <= 128 rows (mma.sync: one kernel for small M, one with x staged in shared
-memory), and M <= 2048 when the output has enough tiles to fill the GPU
-(wgmma); otherwise the weight is unpacked to x's dtype and cuBLAS runs.
-The CPU kernel (the reference) unpacks to FP32 and does an FP32 matmul.
+M <= 2048 rows (mma.sync up to 16 rows, then wgmma; the dispatch table is in
+``csrc/lowbit/nvfp4_gemm.h``); above that the weight is unpacked to x's
+dtype and cuBLAS runs. The CPU kernel (the reference) unpacks to FP32 and
+does an FP32 matmul.
 """
 
 from __future__ import annotations
