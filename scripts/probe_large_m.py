@@ -8,7 +8,8 @@ eagerly, beside F.linear on the BF16 weight:
 - ours: lowbit.nvfp4_linear (unpack all of W, then one cuBLAS GEMM);
 - chunk<c>: W dequantized in c slices of rows, each followed by its GEMM
   into the matching columns of one output, so a slice is still in L2 when
-  its GEMM reads it;
+  its GEMM reads it (Linear v12 tried this in the op: no consistent gain;
+  here it is the baseline of the next variant);
 - overlap<c>: as chunk<c>, but slice i + 1 is dequantized on a side stream
   while slice i's GEMM runs (double buffer). A slice's GEMM with fewer tiles
   than SMs leaves SMs for the dequantize.
