@@ -201,8 +201,9 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
   narrow_finish<T, MT, W>(acc, m0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
-// M <= 8; dynamic shared memory: W * stream_warp_bytes(M).
-template <typename T, int W>
+// M <= 2 kPairs (x rows copied in pairs); dynamic shared memory: W *
+// stream_warp_bytes(M).
+template <typename T, int W, int kPairs>
 __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
@@ -211,13 +212,13 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, (mma::kStreamStages - 1) * W);
 
   const int rows = static_cast<int>(m);
-  const T* xsrc[4];
+  const T* xsrc[kPairs];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
+  for (int j = 0; j < kPairs; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
-  mma::stream_mainloop<T, W>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc, run.codes,
-                             run.scales, k, run.kc_begin, run.kc_end, warp, lane);
+  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2)>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc,
+                                     run.codes, run.scales, k, run.kc_begin, run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
@@ -573,14 +574,14 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int W>
+template <typename T, int W, int kPairs>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
-  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W>, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
-  err = cuda::launch_dependent(linear_stream_kernel<T, W>, grid, dim3(32 * W), smem, stream,
+  err = cuda::launch_dependent(linear_stream_kernel<T, W, kPairs>, grid, dim3(32 * W), smem, stream,
                                static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale,
                                static_cast<const T*>(a.bias), static_cast<T*>(a.out),
                                static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
@@ -588,15 +589,36 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T>
+template <typename T, int kPairs>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   switch (p.warps) {
-    case 1: return launch_stream<T, 1>(a, p, stream);
-    case 2: return launch_stream<T, 2>(a, p, stream);
-    case 4: return launch_stream<T, 4>(a, p, stream);
-    case 8: return launch_stream<T, 8>(a, p, stream);
+    case 1: return launch_stream<T, 1, kPairs>(a, p, stream);
+    case 2: return launch_stream<T, 2, kPairs>(a, p, stream);
+    case 4: return launch_stream<T, 4, kPairs>(a, p, stream);
+    case 8: return launch_stream<T, 8, kPairs>(a, p, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// LOWBIT_STREAM_BY_ROWS=1 (read once): the stream kernel built for as few
+// x row pairs as M needs, 1 at M <= 2 and 2 at M <= 4, where the copies of
+// rows past M no longer issue (predicated off) in every k-tile and the
+// paired decode fits the registers: 223 / 232 SASS instructions per k-tile
+// in the loop instead of 270. Not yet timed on a GPU, so off by default
+// (docs/PERF.md, Linear v17).
+bool stream_by_rows() {
+  static const bool on = [] {
+    const char* v = std::getenv("LOWBIT_STREAM_BY_ROWS");
+    return v && std::string(v) == "1";
+  }();
+  return on;
+}
+
+template <typename T>
+cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  if (stream_by_rows() && a.m <= 2) return launch_stream<T, 1>(a, p, stream);
+  if (stream_by_rows() && a.m <= 4) return launch_stream<T, 2>(a, p, stream);
+  return launch_stream<T, mma::kStreamMaxRows / 2>(a, p, stream);
 }
 
 template <typename T, int MT>

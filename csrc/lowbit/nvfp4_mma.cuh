@@ -202,23 +202,23 @@ __device__ __forceinline__ void decode_fragment_pair(uint32_t w0, uint32_t w1, u
 
 // One 128-column tile, shared by the mma.sync main loops: this lane's A
 // fragments of k-tiles kt, kt + 1 decoded from code words w[kt], w[kt + 1]
-// and scale word s[kt / 2] (kPairs; one at a time otherwise: the stream
-// loop, whose 64-register budget the pairs' 4 extra registers would spill),
-// then one mma per k-tile and m-tile with the B fragment b_of(mt, kt) (a
-// uint2 of x).
-template <typename T, int MT, bool kPairs = true, typename BOf>
+// and scale word s[kt / 2] (kDecodePairs; one at a time otherwise: the
+// stream loop for more than 4 rows, whose 64-register budget the pairs' 4
+// extra registers would spill), then one mma per k-tile and m-tile with the
+// B fragment b_of(mt, kt) (a uint2 of x).
+template <typename T, int MT, bool kDecodePairs = true, typename BOf>
 __device__ __forceinline__ void mma_tile(const uint32_t* w, const uint32_t* s, BOf&& b_of, float (&acc)[MT][4]) {
 #pragma unroll
   for (int kt = 0; kt < 8; kt += 2) {
     uint32_t a[2][4];
-    if constexpr (kPairs) {
+    if constexpr (kDecodePairs) {
       decode_fragment_pair<T>(w[kt], w[kt + 1], s[kt / 2], a);
     } else {
       decode_fragment<T>(w[kt], s[kt / 2], kt, a[0]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if constexpr (!kPairs) {
+      if constexpr (!kDecodePairs) {
         if (i == 1) decode_fragment<T>(w[kt + 1], s[kt / 2], kt + 1, a[1]);
       }
 #pragma unroll
@@ -563,7 +563,9 @@ __device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, cons
 LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
 
 // kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
-// fewer pointers to carry when the caller knows x is short).
+// fewer pointers to carry and copies to issue when the caller knows x is
+// short). kDecodePairs: mma_tile's paired decode, which fits the 64
+// registers at kPairs <= 2 (no spills; Linear v17 in docs/PERF.md).
 // xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16)
 // (a valid row where that row is past `rows`: zeros are copied instead).
 // ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
@@ -574,7 +576,7 @@ LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * str
 // (every warp of the SM reads the same columns of x). Every address a copy
 // needs is kept running (one add per k-tile), so a k-tile costs the decode
 // and the mma and little else.
-template <typename T, int kW, int kPairs = kStreamMaxRows / 2>
+template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false>
 __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring, int rows,
                                                 const T* const (&xsrc)[kPairs],
                                                 const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
@@ -634,7 +636,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     __syncwarp();
     const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
-    mma_tile<T, 1, false>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+    mma_tile<T, 1, kDecodePairs>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
     slot = slot + 1 == kStreamStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
