@@ -103,13 +103,17 @@ def main() -> None:
             variants[f"overlap{c}"] = lambda i, c=c: overlapped(xs[i], sets[i][4], c, side)
         parts = []
         for name, fn in variants.items():
-            if name != "bf16":
-                y = fn(0).float()
-                torch.cuda.synchronize()
-                err = ((y - ref).norm() / ref.norm()).item()
-                assert err < 1e-2, (case, name, err)
-            graph = time_calls(fn, n_sets) * 1e6
-            eager = time_calls(fn, n_sets, use_graph=False, replays=10) * 1e6
+            try:  # a variant that fails (e.g. under graph capture) is reported, the others still run
+                if name != "bf16":
+                    y = fn(0).float()
+                    torch.cuda.synchronize()
+                    err = ((y - ref).norm() / ref.norm()).item()
+                    assert err < 1e-2, (case, name, err)
+                graph = time_calls(fn, n_sets) * 1e6
+                eager = time_calls(fn, n_sets, use_graph=False, replays=10) * 1e6
+            except Exception as e:  # noqa: BLE001 (a probe: report and go on)
+                print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
             parts.append((name, graph, eager))
         bf16 = parts[0][1]
         print(f"CASE {k}x{n} M={m} (us graph / eager, x = bf16 graph / graph)", flush=True)
