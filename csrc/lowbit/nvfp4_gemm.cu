@@ -217,8 +217,9 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   for (int j = 0; j < kPairs; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
-  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2)>(acc, stream_ring + warp * (mma::stream_warp_bytes(rows) / 16), rows, xsrc,
-                                     run.codes, run.scales, k, run.kc_begin, run.kc_end, warp, lane);
+  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
+  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2)>(acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin,
+                                                    run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
