@@ -165,4 +165,7 @@ int64_t resident_clusters(void (*kernel)(Params...), int threads, int smem, int 
 
 LOWBIT_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The most CTAs a grid may have along y or z (x allows 2^31 - 1).
+constexpr int64_t kMaxGridDimYZ = 65535;
+
 }  // namespace lowbit::cuda

@@ -864,6 +864,10 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   p.path = path;
   if (path == LinearPath::kStream && m > kStreamMaxM) p.path = path = LinearPath::kNarrow;
   if (path == LinearPath::kPanel && panel.splits == 0) p.path = path = LinearPath::kWide;  // M or K too large
+  // The stream and narrow kernels put the 16-row W tiles on grid y, at most
+  // 65535 of them (N <= 1048560); the wide kernel's 128-row blocks are on x.
+  if ((path == LinearPath::kStream || path == LinearPath::kNarrow) && ntiles > cuda::kMaxGridDimYZ)
+    p.path = path = LinearPath::kWide;
   if (path == LinearPath::kStream) {
     p = stream_plan;
   } else if (path == LinearPath::kNarrow) {

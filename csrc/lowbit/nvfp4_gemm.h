@@ -80,6 +80,8 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     in the binding): above 2048 rows the unpack costs less
 //                     than the wgmma kernel's distance to cuBLAS
 //                     (docs/PERF.md, Linear v8)
+// The stream and narrow kernels hold at most 65535 W tiles (N <= 1048560);
+// above that the wide kernel takes their rows.
 // LOWBIT_LINEAR_PATH=stream|narrow|panel|wide|wgmma|unpack in the
 // environment (read once) forces a path for every M, for benchmarks (panel:
 // M <= 16 and K short enough for its chunks, else the wide kernel).

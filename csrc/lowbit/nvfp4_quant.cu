@@ -156,7 +156,7 @@ cudaError_t quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
   const int64_t group_chunks = a.rows * a.cols / kChunk;
   const T* in = static_cast<const T*>(a.input);
   if (a.groups == 0) return cudaSuccess;
-  if (a.groups > 65535) return cudaErrorInvalidValue;  // grid.y limit; the binding rejects this first
+  if (a.groups > cuda::kMaxGridDimYZ) return cudaErrorInvalidValue;  // grid.y limit; the binding rejects this first
   if (group_chunks == 0) {
     if (a.global_scale_in)
       return cudaMemcpyAsync(a.global_scale_out, a.global_scale_in, a.groups * sizeof(float),
@@ -183,7 +183,7 @@ template <typename T>
 cudaError_t dequantize_typed(const DequantizeArgs& a, cudaStream_t stream) {
   const int64_t group_chunks = a.rows * a.cols / kChunk;
   if (a.groups == 0 || group_chunks == 0) return cudaSuccess;
-  if (a.groups > 65535) return cudaErrorInvalidValue;
+  if (a.groups > cuda::kMaxGridDimYZ) return cudaErrorInvalidValue;
   dim3 grid(static_cast<unsigned>(cuda::ceil_div(group_chunks, kThreads)), static_cast<unsigned>(a.groups));
   dequantize_kernel<T><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(a.packed), a.block_scale,
                                                       a.global_scale, group_chunks, static_cast<T*>(a.output));

@@ -452,6 +452,22 @@ def test_cuda_chained_layers_in_a_graph(m):
             assert rel_err(y, xin.float() @ deq.cuda().T) <= REL_TOL
 
 
+@cuda
+def test_cuda_more_w_tiles_than_grid_y_holds():
+    # N = 16 * 65536: one 16-row W tile more than the stream and narrow
+    # kernels can put on grid y (65535, a launch error beyond), so the plan
+    # runs the wide kernel there (linear_plan). K = 32 keeps it small (64 MB
+    # prepacked, K padded to 128).
+    gen = torch.Generator().manual_seed(22)
+    n, k = 16 * 65536, 32
+    _, _, deq, pw, ps, g = make_weight(n, k, gen, "cuda")
+    deq_cuda = deq.cuda()
+    for m in (1, 5, 12):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        y = lowbit.nvfp4_linear(x, pw, ps, g)
+        assert rel_err(y, x.float() @ deq_cuda.T) <= REL_TOL, m
+
+
 # Run in a fresh process: the kernel knobs are read once per process.
 _STREAM_OUTPUTS = """
 import sys, torch, lowbit
