@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -42,13 +43,17 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t k = x.size(-1), n = weight.size(0);
-  const int64_t m = k == 0 ? 0 : x.numel() / k;
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
+  const int64_t m = c10::multiply_integers(out_shape.begin(), out_shape.end() - 1);
+  if (m == 0 || n == 0 || k == 0) {  // no products: y = bias (or 0), as F.linear
+    at::Tensor out = at::zeros(out_shape, x.options());
+    if (bias.has_value() && out.numel() > 0) out.copy_(bias->expand_as(out));
+    return out;
+  }
   auto w = contiguous_aligned(weight, 16);
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
-  if (m == 0 || n == 0) return at::zeros(out_shape, x.options());
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
   const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
   if (plan.path == gemm::LinearPath::kUnpack) {

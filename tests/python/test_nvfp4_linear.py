@@ -112,6 +112,17 @@ def test_batch_dims_and_empty():
     assert rel_err(y, reference(x, deq)) <= REL_TOL
     assert lowbit.nvfp4_linear(torch.empty(0, 64, dtype=torch.bfloat16), pw, ps, g).shape == (0, 32)
     assert lowbit.nvfp4_linear(torch.empty(4, 0, 64, dtype=torch.bfloat16), pw, ps, g).shape == (4, 0, 32)
+    check_k_zero("cpu")
+
+
+def check_k_zero(device):
+    # K = 0: no products, so y is the bias (or zeros), as in F.linear.
+    pw, ps = lowbit.nvfp4_prepack(torch.zeros(32, 0, dtype=torch.uint8), torch.zeros(32, 0, dtype=torch.uint8))
+    pw, ps, g = pw.to(device), ps.to(device), torch.tensor(0.5, device=device)
+    x = torch.randn(2, 3, 0, device=device).to(torch.bfloat16)
+    bias = torch.randn(32, device=device).to(torch.bfloat16)
+    assert torch.equal(lowbit.nvfp4_linear(x, pw, ps, g, bias), bias.expand(2, 3, 32))
+    assert torch.equal(lowbit.nvfp4_linear(x, pw, ps, g), torch.zeros(2, 3, 32, device=device, dtype=torch.bfloat16))
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -557,6 +568,7 @@ def test_cuda_module_and_empty_and_cosine():
         cos = F.cosine_similarity(q(x).float().flatten(), lin(x).float().flatten(), dim=0)
         assert cos >= 0.99
     assert q(torch.empty(0, 1024, device="cuda", dtype=torch.bfloat16)).shape == (0, 512)
+    check_k_zero("cuda")
     # CPU prepack, moved to the GPU, gives the CPU reference's answer
     x = torch.randn(3, 1024, generator=gen).to(torch.bfloat16)
     assert rel_err(q(x.cuda()).cpu(), q.to("cpu")(x).float()) <= REL_TOL
