@@ -71,8 +71,9 @@ def overlapped(x, q, chunks: int, side: torch.cuda.Stream):
     a, b = slices[-1]
     main.wait_event(ready[-1])
     torch.mm(x, bufs[-1].t(), out=out[:, a:b])
-    for buf in bufs:
-        buf.record_stream(main)
+    # No record_stream for the side stream's buffers: they live until this
+    # returns, and the next call's side.wait_stream(main) orders any reuse
+    # after these GEMMs.
     return out
 
 
