@@ -1,0 +1,82 @@
+// The NVFP4 Linear's small-M dispatch (gemm::linear_plan): decisions that
+// depend only on the SM count and shared memory per SM, which without a
+// device are the H100's (132 SMs, 228 KB), so CI pins the plans that
+// docs/PERF.md measured and the GPU tests' comments describe. Plans that
+// also depend on occupancy queries (panel, wide, wgmma) need the device and
+// are left to the GPU tests.
+#include <gtest/gtest.h>
+
+#if defined(LOWBIT_WITH_CUDA)
+#include "lowbit/nvfp4_gemm.h"
+
+namespace {
+namespace gemm = lowbit::nvfp4::gemm;
+using gemm::LinearPath;
+
+constexpr int64_t kTileRows = 16;
+
+TEST(LinearPlan, StreamKernelShapesOfTheSmallMTest) {
+  // test_cuda_small_m_kernel_shapes (K = 1168: 10 k-tiles), M = 1: one warp
+  // per tile on 2048 and 1400 tiles, at most 16 and 11 CTAs per SM; two on
+  // 1152 and 700 tiles, at most 8 and 6; two on 3200, uncapped.
+  struct Case {
+    int64_t tiles;
+    int warps, ctas_per_sm;
+  };
+  for (const Case c : {Case{2048, 1, 16}, Case{1400, 1, 11}, Case{1152, 2, 8}, Case{700, 2, 6}, Case{3200, 2, 0}}) {
+    const gemm::LinearPlan p = gemm::linear_plan(1, c.tiles * kTileRows, 1168);
+    EXPECT_EQ(p.path, LinearPath::kStream) << c.tiles;
+    EXPECT_EQ(p.warps, c.warps) << c.tiles;
+    EXPECT_EQ(p.ctas_per_sm, c.ctas_per_sm) << c.tiles;
+    EXPECT_EQ(p.splits, 1) << c.tiles;
+  }
+  // 350 tiles: M 1..4 on the narrow kernel (4 warps per tile), 5..8 stream.
+  for (int64_t m = 1; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 350 * kTileRows, 1168);
+    EXPECT_EQ(p.path, m <= 4 ? LinearPath::kNarrow : LinearPath::kStream) << m;
+    if (m <= 4) {
+      EXPECT_EQ(p.warps, 4) << m;
+    }
+  }
+  // K = 2064 (17 k-tiles) on 1400 tiles: one warp per tile, 11 per SM, M 1..8.
+  for (int64_t m = 1; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 1400 * kTileRows, 2064);
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.warps, 1) << m;
+    EXPECT_EQ(p.ctas_per_sm, 11) << m;
+  }
+  // K = 4112 on 700 tiles: 8 stream warps per tile are too many for the
+  // cap, so M 1..4 run the narrow kernel, 2 warps per tile.
+  for (int64_t m = 1; m <= 4; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 700 * kTileRows, 4112);
+    EXPECT_EQ(p.path, LinearPath::kNarrow) << m;
+    EXPECT_EQ(p.warps, 2) << m;
+  }
+}
+
+TEST(LinearPlan, BenchShapesAtOneRow) {
+  // docs/PERF.md, Linear v16: 1536 x 24576 (1536 tiles) one warp per tile at
+  // 12 CTAs per SM; 18432 x 7168 (448 tiles) the narrow kernel, 4 warps.
+  gemm::LinearPlan p = gemm::linear_plan(1, 24576, 1536);
+  EXPECT_EQ(p.path, LinearPath::kStream);
+  EXPECT_EQ(p.warps, 1);
+  EXPECT_EQ(p.ctas_per_sm, 12);
+  p = gemm::linear_plan(1, 7168, 18432);
+  EXPECT_EQ(p.path, LinearPath::kNarrow);
+  EXPECT_EQ(p.warps, 4);
+  // Few tiles: K split so that the CTAs cover the SMs (4096 x 1536: 96
+  // tiles), with a workspace for the partials.
+  p = gemm::linear_plan(1, 1536, 4096);
+  EXPECT_GT(p.splits, 1);
+  EXPECT_EQ(p.workspace_bytes, p.splits * 1 * 1536 * int64_t{sizeof(float)});
+}
+
+TEST(LinearPlan, MoreTilesThanGridYHoldsRunTheWideKernel) {
+  // The stream and narrow kernels put the W tiles on grid y (at most 65535).
+  for (int64_t m : {1, 5}) {
+    EXPECT_EQ(gemm::linear_plan(m, 65535 * kTileRows, 32).path, LinearPath::kStream) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 65536 * kTileRows, 32).path, LinearPath::kWide) << m;
+  }
+}
+}  // namespace
+#endif
