@@ -420,16 +420,18 @@ struct Maps {
 inline cudaError_t make_maps(Maps& maps, const void* x, DType dtype, int64_t x_rows, int64_t k, int nt,
                              const uint8_t* weight, const uint8_t* scale, int64_t n, int raw_tiles = kRawTiles) {
   const int64_t tiles_k = padded_k(k) / kTileK, row_tiles = n / kTileN;
-  cudaError_t err = cuda::make_tensor_map(&maps.x, x,
-                             dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                             x_rows, k, k * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMapDataType x_type =
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  cudaError_t err =
+      cuda::make_tensor_map(&maps.x, x, x_type, x_rows, k, k * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (err == cudaSuccess)
-    err = cuda::make_tensor_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileBytes / 4,
-                   tiles_k * kTileBytes, raw_tiles, kTileBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+    err = cuda::make_tensor_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles,
+                                tiles_k * kTileBytes / 4, tiles_k * kTileBytes, raw_tiles, kTileBytes / 4,
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
   if (err == cudaSuccess)
-    err = cuda::make_tensor_map(&maps.scale, scale, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles, tiles_k * kTileScaleBytes / 4,
-                   tiles_k * kTileScaleBytes, raw_tiles, kTileScaleBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+    err = cuda::make_tensor_map(&maps.scale, scale, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles,
+                                tiles_k * kTileScaleBytes / 4, tiles_k * kTileScaleBytes, raw_tiles,
+                                kTileScaleBytes / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
   return err;
 }
 

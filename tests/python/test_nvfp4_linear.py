@@ -11,6 +11,9 @@ tensors, and the product is an FP32 (or FP64) matmul. Tolerances:
     weights keeps ~9-10% RMS error per weight, cosine ~0.995).
 """
 
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -379,8 +382,9 @@ def test_cuda_small_m_kernel_shapes(n, k):
     # two warps per tile, uncapped (more than 1.5 waves). K = 2064 on 1400
     # tiles: one warp per tile as well (its 17 k-tiles), at most 11 CTAs
     # per SM, M 1..8. K = 4112 gives the stream kernel 8 warps per tile, too
-    # many for the cap, so M 1..4 run the narrow kernel (2 warps per tile). M = 9 runs the wide kernel on all but 350 tiles: on wgmma from
-    # 2^25 weights (3200 and 2048 tiles at K = 1168, both larger K), on
+    # many for the cap, so M 1..4 run the narrow kernel (2 warps per tile).
+    # M = 9 runs the wide kernel on all but 350 tiles: on wgmma from 2^25
+    # weights (3200 and 2048 tiles at K = 1168, both larger K), on
     # mma.sync below (1400, 1152 and 700 tiles at K = 1168). M = 16 runs the
     # panel kernel where its grid fits one wave (panel_shape: most of
     # these), else the wide kernel (3200 tiles at K = 1168 and 1400 at
@@ -499,10 +503,6 @@ def test_cuda_stream_kernel_by_rows_is_bitwise_the_default(tmp_path):
     # 8, from the tile counts), K split through partials (few tiles) and a
     # partial last k-tile run; M = 5 (the default kernel in both) checks
     # the comparison itself.
-    import os
-    import subprocess
-    import sys
-
     gen = torch.Generator().manual_seed(21)
     cases, wants = [], []
     for n, k in [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]:
@@ -516,8 +516,8 @@ def test_cuda_stream_kernel_by_rows_is_bitwise_the_default(tmp_path):
                 wants.append(reference(x, deq, b))
     torch.save(cases, tmp_path / "cases.pt")
     outs = {}
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
     for by_rows in ("0", "1"):
-        path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream", LOWBIT_STREAM_BY_ROWS=by_rows)
         out_file = tmp_path / f"out{by_rows}.pt"
         subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(out_file)],
