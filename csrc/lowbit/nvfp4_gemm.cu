@@ -601,24 +601,15 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   }
 }
 
-// LOWBIT_STREAM_BY_ROWS=1 (read once): the stream kernel built for as few
-// x row pairs as M needs, 1 at M <= 2 and 2 at M <= 4, where the copies of
-// rows past M no longer issue (predicated off) in every k-tile and the
-// paired decode fits the registers: 223 / 232 SASS instructions per k-tile
-// in the loop instead of 270. Not yet timed on a GPU, so off by default
-// (docs/PERF.md, Linear v17).
-bool stream_by_rows() {
-  static const bool on = [] {
-    const char* v = std::getenv("LOWBIT_STREAM_BY_ROWS");
-    return v && std::string(v) == "1";
-  }();
-  return on;
-}
-
+// The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,
+// 2 at M <= 4, where the copies of rows past M no longer issue (predicated
+// off) every k-tile and the paired decode fits the registers (223 / 232
+// SASS instructions per k-tile in the loop instead of 270; Linear v17 in
+// docs/PERF.md). The products and their order do not depend on the build.
 template <typename T>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
-  if (stream_by_rows() && a.m <= 2) return launch_stream<T, 1>(a, p, stream);
-  if (stream_by_rows() && a.m <= 4) return launch_stream<T, 2>(a, p, stream);
+  if (a.m <= 2) return launch_stream<T, 1>(a, p, stream);
+  if (a.m <= 4) return launch_stream<T, 2>(a, p, stream);
   return launch_stream<T, mma::kStreamMaxRows / 2>(a, p, stream);
 }
 

@@ -483,49 +483,44 @@ def test_cuda_more_w_tiles_than_grid_y_holds():
         assert rel_err(y, x.float() @ deq_cuda.T) <= REL_TOL, m
 
 
-# Run in a fresh process: the kernel knobs are read once per process.
+# Run in a fresh process: the kernel knobs are read once per process. Each
+# case runs twice (the second output checks determinism).
 _STREAM_OUTPUTS = """
 import sys, torch, lowbit
 cases = torch.load(sys.argv[1])
-outs = [lowbit.nvfp4_linear(x.cuda(), pw.cuda(), ps.cuda(), g.cuda(), None if b is None else b.cuda()).cpu()
-        for x, pw, ps, g, b in cases]
+outs = [[lowbit.nvfp4_linear(x.cuda(), pw.cuda(), ps.cuda(), g.cuda(), None if b is None else b.cuda()).cpu()
+         for _ in range(2)] for x, pw, ps, g, b in cases]
 torch.save(outs, sys.argv[2])
 """
 
 
 @cuda
-def test_cuda_stream_kernel_by_rows_is_bitwise_the_default(tmp_path):
-    # LOWBIT_STREAM_BY_ROWS=1 (off by default until timed) builds the
-    # stream kernel for 1 or 2 x row pairs at M <= 2 / M <= 4, with the
-    # paired decode: the same products in the same order, so the outputs
-    # must be bit-identical to the default build's. The stream path is
-    # forced in both processes, so every warps-per-tile count (1, 2, 4 or
-    # 8, from the tile counts), K split through partials (few tiles) and a
-    # partial last k-tile run; M = 5 (the default kernel in both) checks
-    # the comparison itself.
+def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
+    # The stream kernel is built for 1, 2 and 4 pairs of x rows (M <= 2,
+    # <= 4, <= 8; Linear v17). The stream path is forced, so every build
+    # runs with every warps-per-tile count (1, 2, 4 or 8, from the tile
+    # counts), K split through partials (few tiles) and a partial last
+    # k-tile, in bf16 and fp16.
     gen = torch.Generator().manual_seed(21)
     cases, wants = [], []
     for n, k in [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]:
         _, _, deq, pw, ps, g = make_weight(n, k, gen)
         for dtype in (torch.bfloat16, torch.float16):
             bias = torch.randn(n, generator=gen).to(dtype)
-            for m in (1, 2, 3, 4, 5):
+            for m in (1, 2, 3, 4, 5, 8):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 b = bias if m % 2 else None
                 cases.append((x, pw, ps, g, b))
                 wants.append(reference(x, deq, b))
     torch.save(cases, tmp_path / "cases.pt")
-    outs = {}
     path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
-    for by_rows in ("0", "1"):
-        env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream", LOWBIT_STREAM_BY_ROWS=by_rows)
-        out_file = tmp_path / f"out{by_rows}.pt"
-        subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(out_file)],
-                       env=env, check=True)
-        outs[by_rows] = torch.load(out_file)
-    for (x, pw, *_), want, y0, y1 in zip(cases, wants, outs["0"], outs["1"]):
-        assert rel_err(y0, want) <= REL_TOL, (x.shape, pw.shape)
-        assert torch.equal(y0, y1), (x.shape, pw.shape, x.dtype)
+    env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream")
+    subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True)
+    outs = torch.load(tmp_path / "out.pt")
+    for (x, pw, *_), want, (y, again) in zip(cases, wants, outs):
+        assert rel_err(y, want) <= REL_TOL, (x.shape, pw.shape, x.dtype)
+        assert torch.equal(y, again), (x.shape, pw.shape, x.dtype)
 
 
 @cuda
