@@ -39,6 +39,13 @@
 namespace lowbit::nvfp4::gemm {
 namespace {
 
+// A development knob (nvfp4_gemm.h): the integer in environment variable
+// `name`, or `unset`. Callers read it once (a function-local static).
+int env_int(const char* name, int unset) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : unset;
+}
+
 // ---- prepack / unpack ---------------------------------------------------------
 
 // One thread per (row, 16-column block): encodes the block's scale and ORs
@@ -470,10 +477,7 @@ int64_t wide_image_bytes(int64_t m, int64_t k, int mt) {
 // pays off on long GEMMs and with many rows of x; measured on an H100
 // (docs/PERF.md, Linear v11). LOWBIT_LINEAR_WIDE_WGMMA=0|1 forces either.
 bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
-  static const int forced = [] {
-    const char* v = std::getenv("LOWBIT_LINEAR_WIDE_WGMMA");
-    return v == nullptr ? -1 : v[0] == '1' ? 1 : 0;
-  }();
+  static const int forced = env_int("LOWBIT_LINEAR_WIDE_WGMMA", -1);
   if (forced >= 0) return forced == 1;
   const int64_t weights = n * k;
   if (mt == 2) return weights >= (int64_t{1} << 25);  // Linear v14b: 1024 x 32768, 1536 x 24576
@@ -694,20 +698,39 @@ int one_wave_warps_per_tile(int64_t tiles) {
   return 0;
 }
 
+int stream_ctas_per_sm_max(int warps, int rows) {
+  // A CTA: its rings, its partial sums, and the 1 KB the system reserves.
+  const int64_t cta_bytes = warps * (mma::stream_warp_bytes(rows) + 512) + 1024;
+  return static_cast<int>(std::min<int64_t>(kStreamWarpsPerSm / warps, cuda::smem_per_sm() / cta_bytes));
+}
+
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows) {
-  static const int forced = [] {
-    const char* v = std::getenv("LOWBIT_STREAM_WARPS");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int forced = env_int("LOWBIT_STREAM_WARPS", 0);
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
-  const int64_t sms = cuda::num_sms(), smem_per_sm = cuda::smem_per_sm();
+  const int64_t sms = cuda::num_sms();
   for (int w : {8, 4, 2}) {
-    // A CTA: its rings, its partial sums, and the 1 KB the system reserves.
-    const int64_t cta_bytes = w * (mma::stream_warp_bytes(rows) + 512) + 1024;
-    const int64_t warps_per_wave = std::min<int64_t>(kStreamWarpsPerSm / w, smem_per_sm / cta_bytes) * w * sms;
+    const int64_t warps_per_wave = int64_t{stream_ctas_per_sm_max(w, rows)} * w * sms;
     if (tiles_k >= 4 * w && tiles * w <= 3 * warps_per_wave) return w;
   }
   return 1;
+}
+
+int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows) {
+  constexpr int kMinWarpsPerSm = 16;
+  const int64_t sms = cuda::num_sms();
+  const int most = stream_ctas_per_sm_max(warps, rows);
+  const int fewest = std::min(most, std::max(1, kMinWarpsPerSm / warps));
+  int best = most;
+  double best_fill = 0;
+  for (int c = most; c >= fewest; --c) {
+    const int64_t wave = c * sms;
+    const double fill = static_cast<double>(ctas) / static_cast<double>(cuda::ceil_div(ctas, wave) * wave);
+    if (fill > best_fill + 1e-9) {
+      best = c;
+      best_fill = fill;
+    }
+  }
+  return best;
 }
 
 namespace {
@@ -766,9 +789,12 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   p.warps = ntiles >= 10 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
                 : stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
+  static const int forced_splits = env_int("LOWBIT_STREAM_SPLITS", 0);
   const int64_t splits =
-      ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
-  p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
+      forced_splits > 0 ? forced_splits
+      : ntiles >= sms   ? 1
+                        : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
+  p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, std::min(splits, tiles_k)));
   const int spread = kSpreadWarpsPerSm / p.warps;
   const int64_t ctas = ntiles * p.splits;
   if (ctas <= spread * sms)
@@ -794,10 +820,7 @@ struct PanelShape {
   bool one_wave = false;
 };
 PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
-  static const int forced = [] {
-    const char* v = std::getenv("LOWBIT_PANEL_SPLITS");
-    return v ? std::atoi(v) : 0;
-  }();
+  static const int forced = env_int("LOWBIT_PANEL_SPLITS", 0);
   const int64_t ctas = cuda::ceil_div(ntiles, mma::kPanelWarps) * cuda::ceil_div(m, 8 * kPanelMt);
   PanelShape best;
   int64_t best_cost = INT64_MAX;
@@ -861,6 +884,16 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.path = path = LinearPath::kWide;
   if (path == LinearPath::kStream) {
     p = stream_plan;
+    // Linear v18, prepared and not yet timed: behind LOWBIT_STREAM_BALANCE=1,
+    // an uncapped grid gets the cap whose waves are fullest. After the path
+    // is chosen, so it changes no path. LOWBIT_STREAM_CTAS_PER_SM forces a
+    // cap, for probes.
+    static const bool balance = env_int("LOWBIT_STREAM_BALANCE", 0) == 1;
+    static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
+    if (forced_cap > 0)
+      p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
+    else if (balance && p.ctas_per_sm == 0)
+      p.ctas_per_sm = balanced_stream_ctas_per_sm(ntiles * p.splits, p.warps, static_cast<int>(m));
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)

@@ -115,6 +115,19 @@ int one_wave_warps_per_tile(int64_t tiles);
 // and shared memory), else 1 (docs/PERF.md, Linear v9). The MoE uses it too.
 // LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
+// The most stream CTAs of `warps` warps one SM holds at `rows` rows of x:
+// registers (32 warps) and shared memory (rings, partial sums).
+int stream_ctas_per_sm_max(int warps, int rows);
+// Linear v18 (prepared, not yet timed; docs/PERF.md): the cap for an
+// uncapped stream grid of `ctas` CTAs. It runs in waves of c x SMs CTAs, c
+// the CTAs per SM; a last wave of few CTAs has too few copies in flight to
+// keep HBM busy and lasts about as long as a full one. Of the c from the
+// most an SM holds down to the fewest that keep 16 warps per SM, the one
+// whose waves are fullest (ctas / (waves c SMs)), ties to the larger c.
+// Used only with LOWBIT_STREAM_BALANCE=1 (read once). For probes,
+// LOWBIT_STREAM_CTAS_PER_SM=c forces the cap of every stream plan and
+// LOWBIT_STREAM_SPLITS=s its K splits.
+int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

@@ -81,11 +81,39 @@ TEST_F(LinearPlan, BenchShapesAtOneRow) {
   p = gemm::linear_plan(1, 7168, 18432);
   EXPECT_EQ(p.path, LinearPath::kNarrow);
   EXPECT_EQ(p.warps, 4);
+  // 7168 x 18432 (1152 tiles, 56 k-tiles): 8 warps per tile, uncapped
+  // (4 CTAs per SM at one row, 3 at three; Linear v17) unless
+  // LOWBIT_STREAM_BALANCE=1, which this test does not set.
+  for (int64_t m : {1, 3}) {
+    p = gemm::linear_plan(m, 18432, 7168);
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.warps, 8) << m;
+    EXPECT_EQ(p.splits, 1) << m;
+    EXPECT_EQ(p.ctas_per_sm, 0) << m;
+  }
   // Few tiles: K split so that the CTAs cover the SMs (4096 x 1536: 96
   // tiles), with a workspace for the partials.
   p = gemm::linear_plan(1, 1536, 4096);
   EXPECT_GT(p.splits, 1);
   EXPECT_EQ(p.workspace_bytes, p.splits * 1 * 1536 * int64_t{sizeof(float)});
+}
+
+TEST_F(LinearPlan, StreamCtasPerSm) {
+  // Shared memory bounds 8-warp CTAs (rings of 1, 2 and 4 x row pairs) at
+  // 4, 3 and 2 per SM; 4-warp CTAs at one row by registers, 8.
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 1), 4);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 3), 3);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 8), 2);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 1), 8);
+  // Linear v18's cap. 1152 CTAs of 8 warps: 4 per SM fill their 3 waves
+  // to 73%, 3 per SM to 97%, 2 (16 warps) to 87%.
+  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 1), 3);
+  // At 8 rows only 2 fit, which is also the fewest kept (16 warps per SM).
+  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 8), 2);
+  // 896 CTAs of 4 warps (18432 x 7168 in two K splits): 7 per SM, 97%.
+  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(896, 4, 1), 7);
+  // Full waves at 4 and at 2 per SM: the larger.
+  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(528, 8, 1), 4);
 }
 
 TEST_F(LinearPlan, MoreTilesThanGridYHoldsRunTheWideKernel) {

@@ -500,7 +500,8 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # <= 4, <= 8; Linear v17). The stream path is forced, so every build
     # runs with every warps-per-tile count (1, 2, 4 or 8, from the tile
     # counts), K split through partials (few tiles) and a partial last
-    # k-tile, in bf16 and fp16.
+    # k-tile, in bf16 and fp16. Then again with the probes' knobs (K in two
+    # splits through partials, 3 CTAs per SM) and v18's balanced cap.
     gen = torch.Generator().manual_seed(21)
     cases, wants = [], []
     for n, k in [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]:
@@ -514,13 +515,15 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
                 wants.append(reference(x, deq, b))
     torch.save(cases, tmp_path / "cases.pt")
     path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream")
-    subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                   env=env, check=True)
-    outs = torch.load(tmp_path / "out.pt")
-    for (x, pw, *_), want, (y, again) in zip(cases, wants, outs):
-        assert rel_err(y, want) <= REL_TOL, (x.shape, pw.shape, x.dtype)
-        assert torch.equal(y, again), (x.shape, pw.shape, x.dtype)
+    knobs = [{}, {"LOWBIT_STREAM_SPLITS": "2", "LOWBIT_STREAM_CTAS_PER_SM": "3"}, {"LOWBIT_STREAM_BALANCE": "1"}]
+    for i, extra in enumerate(knobs):
+        env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream", **extra)
+        out_file = tmp_path / f"out{i}.pt"
+        subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(out_file)],
+                       env=env, check=True)
+        for (x, pw, *_), want, (y, again) in zip(cases, wants, torch.load(out_file)):
+            assert rel_err(y, want) <= REL_TOL, (extra, x.shape, pw.shape, x.dtype)
+            assert torch.equal(y, again), (extra, x.shape, pw.shape, x.dtype)
 
 
 @cuda
