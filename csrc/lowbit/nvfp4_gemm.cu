@@ -789,12 +789,9 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   p.warps = ntiles >= 10 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
                 : stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
-  static const int forced_splits = env_int("LOWBIT_STREAM_SPLITS", 0);
   const int64_t splits =
-      forced_splits > 0 ? forced_splits
-      : ntiles >= sms   ? 1
-                        : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
-  p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, std::min(splits, tiles_k)));
+      ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
+  p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
   const int spread = kSpreadWarpsPerSm / p.warps;
   const int64_t ctas = ntiles * p.splits;
   if (ctas <= spread * sms)

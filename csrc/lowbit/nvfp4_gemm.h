@@ -125,8 +125,7 @@ int stream_ctas_per_sm_max(int warps, int rows);
 // most an SM holds down to the fewest that keep 16 warps per SM, the one
 // whose waves are fullest (ctas / (waves c SMs)), ties to the larger c.
 // Used only with LOWBIT_STREAM_BALANCE=1 (read once). For probes,
-// LOWBIT_STREAM_CTAS_PER_SM=c forces the cap of every stream plan and
-// LOWBIT_STREAM_SPLITS=s its K splits.
+// LOWBIT_STREAM_CTAS_PER_SM=c forces the cap of every stream plan.
 int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows);
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 

@@ -110,7 +110,7 @@ TEST_F(LinearPlan, StreamCtasPerSm) {
   EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 1), 3);
   // At 8 rows only 2 fit, which is also the fewest kept (16 warps per SM).
   EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 8), 2);
-  // 896 CTAs of 4 warps (18432 x 7168 in two K splits): 7 per SM, 97%.
+  // 896 CTAs of 4 warps: 7 per SM fill one wave to 97%, 8 to 85%.
   EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(896, 4, 1), 7);
   // Full waves at 4 and at 2 per SM: the larger.
   EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(528, 8, 1), 4);
