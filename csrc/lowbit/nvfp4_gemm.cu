@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 }
 
 // M <= 2 kPairs (x rows copied in pairs); dynamic shared memory: W *
-// stream_warp_bytes(M).
-template <typename T, int W, int kPairs>
+// stream_warp_bytes(M). Index: stream_mainloop's counters.
+template <typename T, int W, int kPairs, typename Index>
 __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
   uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
-  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2)>(acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin,
-                                                    run.kc_end, warp, lane);
+  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2), Index>(acc, ring, rows, xsrc, run.codes, run.scales, k,
+                                                           run.kc_begin, run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
@@ -579,14 +579,14 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int W, int kPairs>
+template <typename T, int W, int kPairs, typename Index>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
-  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs>, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs, Index>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
-  err = cuda::launch_dependent(linear_stream_kernel<T, W, kPairs>, grid, dim3(32 * W), smem, stream,
+  err = cuda::launch_dependent(linear_stream_kernel<T, W, kPairs, Index>, grid, dim3(32 * W), smem, stream,
                                static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale,
                                static_cast<const T*>(a.bias), static_cast<T*>(a.out),
                                static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
@@ -594,15 +594,27 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int kPairs>
+template <typename T, int kPairs, typename Index>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   switch (p.warps) {
-    case 1: return launch_stream<T, 1, kPairs>(a, p, stream);
-    case 2: return launch_stream<T, 2, kPairs>(a, p, stream);
-    case 4: return launch_stream<T, 4, kPairs>(a, p, stream);
-    case 8: return launch_stream<T, 8, kPairs>(a, p, stream);
+    case 1: return launch_stream<T, 1, kPairs, Index>(a, p, stream);
+    case 2: return launch_stream<T, 2, kPairs, Index>(a, p, stream);
+    case 4: return launch_stream<T, 4, kPairs, Index>(a, p, stream);
+    case 8: return launch_stream<T, 8, kPairs, Index>(a, p, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// Linear v19 (prepared, not yet timed): with LOWBIT_STREAM_INDEX32=1 (read
+// once), stream_mainloop's k-tile and column counters are 32-bit where K
+// allows (the 64-bit compares and adds cost ~12 of a k-tile's ~220 SASS
+// instructions in the loop; docs/PERF.md).
+template <typename T, int kPairs>
+cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
+  static const bool index32 = env_int("LOWBIT_STREAM_INDEX32", 0) == 1;
+  if (index32 && padded_k(a.k) + 32 * kTileK < (int64_t{1} << 31))
+    return launch_stream<T, kPairs, int32_t>(a, p, stream);
+  return launch_stream<T, kPairs, int64_t>(a, p, stream);
 }
 
 // The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,

@@ -568,6 +568,8 @@ LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * str
 // registers at kPairs <= 2 (no spills; Linear v17 in docs/PERF.md).
 // xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16)
 // (a valid row where that row is past `rows`: zeros are copied instead).
+// Index: the type of the loop's k-tile and column counters; int32_t needs
+// padded K + 32 k-tiles below 2^31 (Linear v19, prepared, not yet timed).
 // ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
 // Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (16 W rows
 // x 8 rows of x, mma C layout; rows past `rows` repeat the last one).
@@ -576,7 +578,7 @@ LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * str
 // (every warp of the SM reads the same columns of x). Every address a copy
 // needs is kept running (one add per k-tile), so a k-tile costs the decode
 // and the mma and little else.
-template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false>
+template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false, typename Index = int64_t>
 __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring, int rows,
                                                 const T* const (&xsrc)[kPairs],
                                                 const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
@@ -588,21 +590,23 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
   const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const uint32_t dst_x = kTileBytes + kTileScaleBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16;
   // The copy sources of k-tile kc_issue, advanced by kW k-tiles per issue.
-  int64_t kc_issue = kc_begin + warp;
+  const Index kc_first = static_cast<Index>(kc_begin) + warp, kc_stop = static_cast<Index>(kc_end);
+  const Index k_cols = static_cast<Index>(k);
+  Index kc_issue = kc_first;
   const char* wsrc = reinterpret_cast<const char*>(wtiles + kc_issue * (kTileBytes / 16) + lane);
   const char* ssrc = reinterpret_cast<const char*>(stiles + kc_issue * (kTileScaleBytes / 16) + lane % 8);
   const T* xp[kPairs];
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) xp[j] = xsrc[j] + kc_issue * kTileK;
-  int64_t col = kc_issue * kTileK + (lane % 16) * 8;  // this lane's first x column at kc_issue
+  Index col = kc_issue * kTileK + (lane % 16) * 8;  // this lane's first x column at kc_issue
   uint32_t slot_issue = 0;
   // One commit group per k-tile (empty past the end), so wait_group counts
   // stay uniform.
   auto issue = [&]() {
-    if (kc_issue < kc_end) {
+    if (kc_issue < kc_stop) {
       const uint32_t st = ring0 + slot_issue * stage_bytes;
       copy_w_ktile(st, wsrc, ssrc, lane);
-      const uint32_t bytes = col < k ? 16 : 0;
+      const uint32_t bytes = col < k_cols ? 16 : 0;
 #pragma unroll
       for (int j = 0; j < kPairs; ++j)
         if (j < pairs) cp_async16_ca(st + dst_x + j * 2 * kStreamRowBytes, xp[j], lane / 16 + 2 * j < rows ? bytes : 0);
@@ -621,7 +625,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
   const int g = lane / 4, t = lane % 4;
   const int xoff = kTileBytes + kTileScaleBytes + min(g, rows - 1) * kStreamRowBytes + t * 8;  // bytes into a slot
   int slot = 0;
-  for (int64_t kc = kc_begin + warp; kc < kc_end; kc += kW) {
+  for (Index kc = kc_first; kc < kc_stop; kc += kW) {
     // Refill the slot the previous iteration read (every lane is past it:
     // the __syncwarp below ordered its reads before this point).
     issue();
