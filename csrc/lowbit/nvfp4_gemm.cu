@@ -732,14 +732,15 @@ int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows) {
   const int64_t sms = cuda::num_sms();
   const int most = stream_ctas_per_sm_max(warps, rows);
   const int fewest = std::min(most, std::max(1, kMinWarpsPerSm / warps));
+  // The waves' fill is ctas / slots, so the fullest waves have the fewest
+  // CTA slots in all.
   int best = most;
-  double best_fill = 0;
+  int64_t best_slots = INT64_MAX;
   for (int c = most; c >= fewest; --c) {
-    const int64_t wave = c * sms;
-    const double fill = static_cast<double>(ctas) / static_cast<double>(cuda::ceil_div(ctas, wave) * wave);
-    if (fill > best_fill + 1e-9) {
+    const int64_t slots = cuda::ceil_div(ctas, c * sms) * c * sms;
+    if (slots < best_slots) {
       best = c;
-      best_fill = fill;
+      best_slots = slots;
     }
   }
   return best;
