@@ -16,7 +16,7 @@ eagerly, beside F.linear on the BF16 weight:
 The slices use the checkpoint-layout dequantize (lowbit.nvfp4_dequantize),
 not the prepacked unpack kernel: close in cost, enough to decide whether a
 chunked path in the op is worth building. Then, with --profile, the CUDA
-kernels of ours and the peer (torch profiler, eager).
+kernels of ours and the peer (torch profiler, eager and in a CUDA graph).
 
   python scripts/probe_large_m.py --cases 7168x4096x4096,2048x4096x16384 --chunks 2,4 --profile
 """
@@ -77,6 +77,35 @@ def overlapped(x, q, chunks: int, side: torch.cuda.Stream):
     return out
 
 
+def _profile(name: str, fn, n_sets: int) -> None:
+    """Per-kernel device times of fn, launched eagerly and replayed in a
+    CUDA graph (the bench's way: one call per set, so L2 is cold)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    for _ in range(2):
+        for i in range(n_sets):
+            fn(i)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for i in range(n_sets):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    for mode in ("eager", "graph"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                if mode == "graph":
+                    graph.replay()
+                else:
+                    for i in range(n_sets):
+                        fn(i)
+            torch.cuda.synchronize()
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA" and ev.count > 0:
+                print(f"  PROF {mode} {name}: {ev.key[:70]} {ev.device_time_total / ev.count:.1f} us x{ev.count}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="7168x4096x4096,7168x18432x4096,2048x4096x16384,4096x4096x4096")
@@ -121,19 +150,8 @@ def main() -> None:
         for name, graph, eager in parts:
             print(f"  {name:>10} {graph:9.1f} {eager:9.1f}  x={bf16 / graph:.3f}", flush=True)
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
             for name in ("ours", "bf16"):
-                for _ in range(3):
-                    variants[name](0)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        variants[name](0)
-                    torch.cuda.synchronize()
-                for ev in prof.key_averages():
-                    if ev.device_type.name == "CUDA" and ev.count > 0:
-                        print(f"  PROF {name}: {ev.key[:80]} {ev.device_time_total / ev.count:.1f} us x{ev.count}")
+                _profile(name, variants[name], n_sets)
         del sets, xs, variants
         torch.cuda.empty_cache()
 
