@@ -209,8 +209,10 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 }
 
 // M <= 2 kPairs (x rows copied in pairs); dynamic shared memory: W *
-// stream_warp_bytes(M). Index: stream_mainloop's counters.
-template <typename T, int W, int kPairs, typename Index>
+// stream_warp_bytes(M). The loop's k-tile and column counters are 32-bit
+// (padded K <= kStreamMaxPaddedK, linear_plan): the 64-bit compares and
+// adds cost ~12 of a k-tile's ~220 SASS instructions (Linear v19).
+template <typename T, int W, int kPairs>
 __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
@@ -225,8 +227,8 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
   uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
-  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2), Index>(acc, ring, rows, xsrc, run.codes, run.scales, k,
-                                                           run.kc_begin, run.kc_end, warp, lane);
+  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2), int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k,
+                                                             run.kc_begin, run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 
@@ -579,14 +581,14 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int W, int kPairs, typename Index>
+template <typename T, int W, int kPairs>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
-  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs, Index>, smem);
+  cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
-  err = cuda::launch_dependent(linear_stream_kernel<T, W, kPairs, Index>, grid, dim3(32 * W), smem, stream,
+  err = cuda::launch_dependent(linear_stream_kernel<T, W, kPairs>, grid, dim3(32 * W), smem, stream,
                                static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale,
                                static_cast<const T*>(a.bias), static_cast<T*>(a.out),
                                static_cast<float*>(a.workspace), a.m, a.n, a.k, cuda::ceil_div(tiles_k, p.splits));
@@ -594,27 +596,15 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int kPairs, typename Index>
-cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
-  switch (p.warps) {
-    case 1: return launch_stream<T, 1, kPairs, Index>(a, p, stream);
-    case 2: return launch_stream<T, 2, kPairs, Index>(a, p, stream);
-    case 4: return launch_stream<T, 4, kPairs, Index>(a, p, stream);
-    case 8: return launch_stream<T, 8, kPairs, Index>(a, p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-// Linear v19 (prepared, not yet timed): with LOWBIT_STREAM_INDEX32=1 (read
-// once), stream_mainloop's k-tile and column counters are 32-bit where K
-// allows (the 64-bit compares and adds cost ~12 of a k-tile's ~220 SASS
-// instructions in the loop; docs/PERF.md).
 template <typename T, int kPairs>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
-  static const bool index32 = env_int("LOWBIT_STREAM_INDEX32", 0) == 1;
-  if (index32 && padded_k(a.k) + 32 * kTileK < (int64_t{1} << 31))
-    return launch_stream<T, kPairs, int32_t>(a, p, stream);
-  return launch_stream<T, kPairs, int64_t>(a, p, stream);
+  switch (p.warps) {
+    case 1: return launch_stream<T, 1, kPairs>(a, p, stream);
+    case 2: return launch_stream<T, 2, kPairs>(a, p, stream);
+    case 4: return launch_stream<T, 4, kPairs>(a, p, stream);
+    case 8: return launch_stream<T, 8, kPairs>(a, p, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 // The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,
@@ -725,25 +715,6 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows) {
     if (tiles_k >= 4 * w && tiles * w <= 3 * warps_per_wave) return w;
   }
   return 1;
-}
-
-int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows) {
-  constexpr int kMinWarpsPerSm = 16;
-  const int64_t sms = cuda::num_sms();
-  const int most = stream_ctas_per_sm_max(warps, rows);
-  const int fewest = std::min(most, std::max(1, kMinWarpsPerSm / warps));
-  // The waves' fill is ctas / slots, so the fullest waves have the fewest
-  // CTA slots in all.
-  int best = most;
-  int64_t best_slots = INT64_MAX;
-  for (int c = most; c >= fewest; --c) {
-    const int64_t slots = cuda::ceil_div(ctas, c * sms) * c * sms;
-    if (slots < best_slots) {
-      best = c;
-      best_slots = slots;
-    }
-  }
-  return best;
 }
 
 namespace {
@@ -886,7 +857,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
                                                         : LinearPath::kUnpack;
   if (forced_path() >= 0) path = static_cast<LinearPath>(forced_path());
   p.path = path;
-  if (path == LinearPath::kStream && m > kStreamMaxM) p.path = path = LinearPath::kNarrow;
+  if (path == LinearPath::kStream && (m > kStreamMaxM || padded_k(k) > kStreamMaxPaddedK))
+    p.path = path = LinearPath::kNarrow;
   if (path == LinearPath::kPanel && panel.splits == 0) p.path = path = LinearPath::kWide;  // M or K too large
   // The stream and narrow kernels put the 16-row W tiles on grid y, at most
   // 65535 of them (N <= 1048560); the wide kernel's 128-row blocks are on x.
@@ -894,16 +866,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.path = path = LinearPath::kWide;
   if (path == LinearPath::kStream) {
     p = stream_plan;
-    // Linear v18, prepared and not yet timed: behind LOWBIT_STREAM_BALANCE=1,
-    // an uncapped grid gets the cap whose waves are fullest. After the path
-    // is chosen, so it changes no path. LOWBIT_STREAM_CTAS_PER_SM forces a
-    // cap, for probes.
-    static const bool balance = env_int("LOWBIT_STREAM_BALANCE", 0) == 1;
-    static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
-    if (forced_cap > 0)
-      p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
-    else if (balance && p.ctas_per_sm == 0)
-      p.ctas_per_sm = balanced_stream_ctas_per_sm(ntiles * p.splits, p.warps, static_cast<int>(m));
+    static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);  // probes (nvfp4_gemm.h)
+    if (forced_cap > 0) p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)

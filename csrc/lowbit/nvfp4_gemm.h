@@ -4,6 +4,7 @@
 #pragma once
 
 #include "lowbit/common.h"
+#include "lowbit/nvfp4_gemm_layout.h"
 
 #if defined(LOWBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -86,6 +87,10 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 // environment (read once) forces a path for every M, for benchmarks (panel:
 // M <= 16 and K short enough for its chunks, else the wide kernel).
 constexpr int64_t kStreamMaxM = 8;
+// The stream kernel counts k-tiles and columns in 32 bits (Linear v19): a
+// longer K (padded, plus the 32 k-tiles its copies run ahead) takes the
+// narrow kernel.
+constexpr int64_t kStreamMaxPaddedK = (int64_t{1} << 31) - 32 * kTileK;
 constexpr int64_t kPanelMinM = 12;
 constexpr int64_t kPanelMaxM = 16;
 constexpr int64_t kNarrowMaxM = 16;
@@ -118,15 +123,8 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
 // The most stream CTAs of `warps` warps one SM holds at `rows` rows of x:
 // registers (32 warps) and shared memory (rings, partial sums).
 int stream_ctas_per_sm_max(int warps, int rows);
-// Linear v18 (prepared, not yet timed; docs/PERF.md): the cap for an
-// uncapped stream grid of `ctas` CTAs. It runs in waves of c x SMs CTAs, c
-// the CTAs per SM; a last wave of few CTAs has too few copies in flight to
-// keep HBM busy and lasts about as long as a full one. Of the c from the
-// most an SM holds down to the fewest that keep 16 warps per SM, the one
-// whose waves are fullest (ctas / (waves c SMs)), ties to the larger c.
-// Used only with LOWBIT_STREAM_BALANCE=1 (read once). For probes,
-// LOWBIT_STREAM_CTAS_PER_SM=c forces the cap of every stream plan.
-int balanced_stream_ctas_per_sm(int64_t ctas, int warps, int rows);
+// LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
+// per SM, for probes (Linear v18 in docs/PERF.md).
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

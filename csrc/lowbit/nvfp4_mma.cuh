@@ -569,7 +569,7 @@ LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * str
 // xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16)
 // (a valid row where that row is past `rows`: zeros are copied instead).
 // Index: the type of the loop's k-tile and column counters; int32_t needs
-// padded K + 32 k-tiles below 2^31 (Linear v19, prepared, not yet timed).
+// padded K + 32 k-tiles below 2^31 (the Linear's kernel: Linear v19).
 // ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
 // Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (16 W rows
 // x 8 rows of x, mma C layout; rows past `rows` repeat the last one).

@@ -82,8 +82,8 @@ TEST_F(LinearPlan, BenchShapesAtOneRow) {
   EXPECT_EQ(p.path, LinearPath::kNarrow);
   EXPECT_EQ(p.warps, 4);
   // 7168 x 18432 (1152 tiles, 56 k-tiles): 8 warps per tile, uncapped
-  // (4 CTAs per SM at one row, 3 at three; Linear v17) unless
-  // LOWBIT_STREAM_BALANCE=1, which this test does not set.
+  // (4 CTAs per SM at one row, 3 at three; Linear v17; v18's fuller waves
+  // at 3 per SM gained under 1% and were dropped).
   for (int64_t m : {1, 3}) {
     p = gemm::linear_plan(m, 18432, 7168);
     EXPECT_EQ(p.path, LinearPath::kStream) << m;
@@ -105,15 +105,17 @@ TEST_F(LinearPlan, StreamCtasPerSm) {
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 3), 3);
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 8), 2);
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 1), 8);
-  // Linear v18's cap. 1152 CTAs of 8 warps: 4 per SM fill their 3 waves
-  // to 73%, 3 per SM to 97%, 2 (16 warps) to 87%.
-  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 1), 3);
-  // At 8 rows only 2 fit, which is also the fewest kept (16 warps per SM).
-  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(1152, 8, 8), 2);
-  // 896 CTAs of 4 warps: 7 per SM fill one wave to 97%, 8 to 85%.
-  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(896, 4, 1), 7);
-  // Full waves at 4 and at 2 per SM: the larger.
-  EXPECT_EQ(gemm::balanced_stream_ctas_per_sm(528, 8, 1), 4);
+}
+
+TEST_F(LinearPlan, KTooLongForTheStreamCountersRunsTheNarrowKernel) {
+  // The stream kernel's 32-bit counters (Linear v19) hold padded K up to
+  // kStreamMaxPaddedK; one k-tile more goes to the narrow kernel.
+  const int64_t longest = gemm::kStreamMaxPaddedK;
+  EXPECT_EQ(longest % gemm::kTileK, 0);
+  for (int64_t m : {1, 8}) {
+    EXPECT_EQ(gemm::linear_plan(m, 16 * 4096, longest).path, LinearPath::kStream) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 16 * 4096, longest + 1).path, LinearPath::kNarrow) << m;
+  }
 }
 
 TEST_F(LinearPlan, MoreTilesThanGridYHoldsRunTheWideKernel) {
