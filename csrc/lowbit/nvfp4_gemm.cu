@@ -211,7 +211,8 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 // M <= 2 kPairs (x rows copied in pairs); dynamic shared memory: W *
 // stream_warp_bytes(M). The loop's k-tile and column counters are 32-bit
 // (padded K <= kStreamMaxPaddedK, linear_plan): the 64-bit compares and
-// adds cost ~12 of a k-tile's ~220 SASS instructions (Linear v19).
+// adds cost ~12 of a k-tile's ~220 SASS instructions (Linear v19). The
+// decode goes two k-tiles at a time (Linear v20).
 template <typename T, int W, int kPairs>
 __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
@@ -227,7 +228,7 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
   uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
-  mma::stream_mainloop<T, W, kPairs, (kPairs <= 2), int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k,
+  mma::stream_mainloop<T, W, kPairs, true, int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k,
                                                              run.kc_begin, run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
@@ -608,10 +609,9 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
 }
 
 // The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,
-// 2 at M <= 4, where the copies of rows past M no longer issue (predicated
-// off) every k-tile and the paired decode fits the registers (223 / 232
-// SASS instructions per k-tile in the loop instead of 270; Linear v17 in
-// docs/PERF.md). The products and their order do not depend on the build.
+// 2 at M <= 4, 4 at M <= 8, so the copies of pairs past M are not issued,
+// predicated off, every k-tile (Linear v17 in docs/PERF.md). The products
+// and their order do not depend on the build.
 template <typename T>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   if (a.m <= 2) return launch_stream<T, 1>(a, p, stream);

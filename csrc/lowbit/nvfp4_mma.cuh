@@ -202,10 +202,9 @@ __device__ __forceinline__ void decode_fragment_pair(uint32_t w0, uint32_t w1, u
 
 // One 128-column tile, shared by the mma.sync main loops: this lane's A
 // fragments of k-tiles kt, kt + 1 decoded from code words w[kt], w[kt + 1]
-// and scale word s[kt / 2] (kDecodePairs; one at a time otherwise: the
-// stream loop for more than 4 rows, whose 64-register budget the pairs' 4
-// extra registers would spill), then one mma per k-tile and m-tile with the
-// B fragment b_of(mt, kt) (a uint2 of x).
+// and scale word s[kt / 2] (kDecodePairs; one at a time otherwise, 4 fewer
+// registers), then one mma per k-tile and m-tile with the B fragment
+// b_of(mt, kt) (a uint2 of x).
 template <typename T, int MT, bool kDecodePairs = true, typename BOf>
 __device__ __forceinline__ void mma_tile(const uint32_t* w, const uint32_t* s, BOf&& b_of, float (&acc)[MT][4]) {
 #pragma unroll
@@ -564,10 +563,12 @@ LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * str
 
 // kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
 // fewer pointers to carry and copies to issue when the caller knows x is
-// short). kDecodePairs: mma_tile's paired decode, which fits the 64
-// registers at kPairs <= 2 (no spills; Linear v17 in docs/PERF.md).
-// xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16)
-// (a valid row where that row is past `rows`: zeros are copied instead).
+// short); pairs up to kPairs / 2 are always copied (a caller with fewer
+// rows builds a smaller kPairs). kDecodePairs: mma_tile's paired decode
+// (fits the 64 registers at every kPairs: Linear v20 in docs/PERF.md).
+// xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16),
+// or a valid row where that row is past `rows`: its copy is never read (the
+// fragment reads below take row min(g, rows - 1)), so it needs no predicate.
 // Index: the type of the loop's k-tile and column counters; int32_t needs
 // padded K + 32 k-tiles below 2^31 (the Linear's kernel: Linear v19).
 // ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
@@ -609,7 +610,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
       const uint32_t bytes = col < k_cols ? 16 : 0;
 #pragma unroll
       for (int j = 0; j < kPairs; ++j)
-        if (j < pairs) cp_async16_ca(st + dst_x + j * 2 * kStreamRowBytes, xp[j], lane / 16 + 2 * j < rows ? bytes : 0);
+        if (j <= kPairs / 2 || j < pairs) cp_async16_ca(st + dst_x + j * 2 * kStreamRowBytes, xp[j], bytes);
     }
     cp_async_commit();
     kc_issue += kW;

@@ -499,8 +499,9 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # The stream kernel is built for 1, 2 and 4 pairs of x rows (M <= 2,
     # <= 4, <= 8; Linear v17). The stream path is forced, so every build
     # runs with every warps-per-tile count (1, 2, 4 or 8, from the tile
-    # counts), K split through partials (few tiles) and a partial last
-    # k-tile, in bf16 and fp16. Then again with a forced cap (3 CTAs per SM,
+    # counts), K split through partials (few tiles), a partial last k-tile
+    # and odd M (the last pair's second row, past M, is copied from a valid
+    # row and never read: Linear v20), in bf16 and fp16. Then again with a forced cap (3 CTAs per SM,
     # the probes' knob), which changes no product nor the order of the sums,
     # so it must give the first run's outputs bit for bit.
     gen = torch.Generator().manual_seed(21)
@@ -509,7 +510,7 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
         _, _, deq, pw, ps, g = make_weight(n, k, gen)
         for dtype in (torch.bfloat16, torch.float16):
             bias = torch.randn(n, generator=gen).to(dtype)
-            for m in (1, 2, 3, 4, 5, 8):
+            for m in (1, 2, 3, 4, 5, 7, 8):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 b = bias if m % 2 else None
                 cases.append((x, pw, ps, g, b))
