@@ -228,8 +228,8 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   extern __shared__ uint4 stream_ring[];
   float acc[1][4];
   uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
-  mma::stream_mainloop<T, W, kPairs, true, int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k,
-                                                             run.kc_begin, run.kc_end, warp, lane);
+  mma::stream_mainloop<T, W, kPairs, true, int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin,
+                                                    run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
 }
 

@@ -501,9 +501,10 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # runs with every warps-per-tile count (1, 2, 4 or 8, from the tile
     # counts), K split through partials (few tiles), a partial last k-tile
     # and odd M (the last pair's second row, past M, is copied from a valid
-    # row and never read: Linear v20), in bf16 and fp16. Then again with a forced cap (3 CTAs per SM,
-    # the probes' knob), which changes no product nor the order of the sums,
-    # so it must give the first run's outputs bit for bit.
+    # row and never read: Linear v20), in bf16 and fp16. Then again with a
+    # forced cap (3 CTAs per SM, the probes' knob), which changes no product
+    # nor the order of the sums, so it must give the first run's outputs bit
+    # for bit.
     gen = torch.Generator().manual_seed(21)
     cases, wants = [], []
     for n, k in [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]:
