@@ -93,6 +93,21 @@ __device__ __forceinline__ void store4<float>(float* p, const float (&in)[4]) {
 __device__ __forceinline__ void wait_for_previous_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;"); }
 
+// 64-bit flags between CTAs of one grid: a store that publishes the
+// thread's earlier writes (and, after a CTA barrier, its CTA's), and the
+// load that makes them visible to the reader.
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 namespace detail {
 // A programmatic dependent launch, in clusters of *cluster CTAs when given.
 template <typename... Params, typename... Args>

@@ -10,8 +10,11 @@
 // up to 32 warps per SM; 16 on grids that would otherwise leave SMs idle),
 // the narrow kernel's through register stages
 // (warp_mainloop, 16 warps per SM). The warps' partial sums are added in a
-// fixed order in shared memory. Launched as programmatic dependents: their
-// first W tiles go to L2 while the previous kernel finishes.
+// fixed order in shared memory. Where whole tiles would sit unevenly on the
+// SMs, the stream kernel's stream-K form: a wave of CTAs on equal runs of
+// k-tiles across tiles, a tile's pieces added in the kernel. Launched as
+// programmatic dependents: their first W tiles go to L2 while the previous
+// kernel finishes.
 // Panel (M 12..16 where it runs in one wave): 8 warps on 128 rows of W over
 // one chunk of K, whose 16 rows of x a tensor copy puts in shared memory at
 // the start; each warp streams its W tile as the stream kernel does
@@ -231,6 +234,140 @@ __global__ void __launch_bounds__(32 * W, kStreamWarpsPerSm / W) linear_stream_k
   mma::stream_mainloop<T, W, kPairs, true, int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin,
                                                     run.kc_end, warp, lane);
   narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
+}
+
+// ---- small M, stream-K: the stream kernel over even runs of k-tiles ---------
+// Whole W tiles per CTA leave some SMs a tile more than others when the
+// tiles are few against the SMs' slots and long (18432 x 7168: 448 tiles of
+// 144 k-tiles on 264 slots). Here the grid is one wave of G CTAs, and the
+// units (tile t's k-tile kc is unit t * tiles_k + kc; units lie in memory
+// in that order) are cut into G runs of equal length +- 1. A CTA's W warps
+// walk its run downwards (StreamRunWarp) and add up at each tile row's
+// start. A tile the run holds whole goes to the output. Otherwise the
+// tile's pieces come from consecutive CTAs; the one holding the tile's
+// last k-tile (a run's lowest tile: the CTA's last piece) adds them in k
+// order (deterministic) and writes the output; the others (a run's highest
+// tile, its first piece, or a run inside one tile) publish theirs: the
+// CTA's one slot in the workspace, then its flag. So a CTA publishes
+// before it waits, waits only for lower CTAs (dispatched before it), and
+// the piece it waits for was published as those CTAs started: it loads
+// them before its own last piece, not after.
+struct StreamKRuns {
+  int32_t base, rem;  // every run has base units, the first rem one more
+  LOWBIT_HD int32_t begin(int32_t c) const { return c * base + (c < rem ? c : rem); }
+  __device__ __forceinline__ int32_t run_of(int32_t u) const {
+    const int32_t long_units = rem * (base + 1);
+    return u < long_units ? u / (base + 1) : rem + (u - long_units) / base;
+  }
+};
+
+// The workspace of the stream-K kernel: a slot per CTA, then a flag per CTA.
+constexpr int kStreamKSlotFloats = kTileN * mma::kStreamMaxRows;
+int64_t stream_k_workspace_bytes(int64_t runs) {
+  return runs * (kStreamKSlotFloats * int64_t{sizeof(float)} + int64_t{sizeof(uint64_t)});
+}
+
+// A flag is set to this launch's %gridid once its slot is written, and the
+// CTA that reads the slot sets it back to zero: a workspace fresh from the
+// allocator needs no zeroing (a stale word is some other launch's id, or
+// zero), and a graph replay, which may launch with the same id, finds its
+// flags at zero.
+__device__ __forceinline__ uint64_t launch_id() {
+  uint64_t id;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(id));
+  return id;
+}
+
+// The sums of the CTA's warps for one piece, element e of 16 x m (W row
+// e % 16, x row e / 16) at partial.sum; every thread calls it.
+template <int W>
+struct StreamKPiece {
+  mma::CtaPartials<1, W> partial;
+  __device__ __forceinline__ float sum(int e) const { return partial.sum(e % kTileN, e / kTileN); }
+};
+
+template <typename T>
+__device__ __forceinline__ void stream_k_store(float sum, int e, int64_t nt, int64_t n, const float* global_scale,
+                                               const T* bias, T* out) {
+  const int64_t o = nt * kTileN + e % kTileN;
+  finish_output(sum, (e / kTileN) * n + o, o, 0, 1, 0, global_scale, bias, out, nullptr);
+}
+
+// Elements of a tile's 16 x 8 outputs per thread in a one-warp CTA.
+constexpr int kStreamKElemsPerThread = kTileN * mma::kStreamMaxRows / 32;
+
+// grid: G CTAs (one wave; G <= units), W warps each; M <= 2 kPairs.
+// Dynamic shared memory: W * stream_warp_bytes(M). workspace:
+// stream_k_workspace_bytes(G). 16 warps per SM, at up to 128 registers:
+// at 64, ptxas recomputes the loop's bounds every unit.
+constexpr int kStreamKWarpsPerSm = 16;
+template <typename T, int W, int kPairs>
+__global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_k_kernel(
+    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
+    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, StreamKRuns runs) {
+  cuda::allow_dependent_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Units, tiles and k-tiles in 32 bits (linear_plan: units below 2^30).
+  const int32_t tiles_k = static_cast<int32_t>(padded_k(k) / kTileK), cta = static_cast<int32_t>(blockIdx.x);
+  const int32_t u0 = runs.begin(cta), u1 = runs.begin(cta + 1);
+  const uint4* codes = mma::tile_row_codes(weight, 0, tiles_k);
+  const uint4* scales = mma::tile_row_scales(scale, 0, tiles_k);
+  if (threadIdx.x == 0) mma::prefetch_ktiles_l2(codes, scales, max(u0, u1 - (mma::kStreamStages - 1) * W), u1);
+  cuda::wait_for_previous_grid();  // x, and the workspace (a previous kernel's until it ends)
+
+  const int rows = static_cast<int>(m), elems = kTileN * rows;
+  const T* xsrc[kPairs];
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
+  extern __shared__ uint4 stream_ring[];
+  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
+  float* slots = workspace;
+  auto* flags = reinterpret_cast<uint64_t*>(workspace + int64_t{gridDim.x} * kStreamKSlotFloats);
+  const uint64_t id = launch_id();
+  const int32_t top = u1 - 1 - warp, first_tile = u0 / tiles_k, last_tile = (u1 - 1) / tiles_k;
+  const int32_t top_kc = ((top % tiles_k) + tiles_k) % tiles_k;
+  mma::StreamRunWarp<T, W, kPairs> walk(ring, rows, xsrc, codes, scales, k, tiles_k, top, top_kc, u0, lane);
+  __shared__ StreamKPiece<W> piece;
+  for (int32_t nt = last_tile; nt >= first_tile; --nt) {
+    const int32_t lo = max(u0, nt * tiles_k), hi = min(u1, (nt + 1) * tiles_k);
+    const bool head = lo == nt * tiles_k, tail = hi == (nt + 1) * tiles_k;  // the piece holds k-tile 0 / the last
+    // The last piece of a tile whose head is in lower CTAs: their pieces,
+    // added in k order, loaded while this one runs.
+    float before[kStreamKElemsPerThread] = {};
+    if (tail && !head) {
+      const int32_t first = runs.run_of(nt * tiles_k);
+      if (threadIdx.x == 0)
+        for (int32_t r = first; r < cta; ++r)
+          while (cuda::ld_acquire_gpu(flags + r) != id) __nanosleep(64);
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kStreamKElemsPerThread; ++i) {
+        const int e = threadIdx.x + i * 32 * W;
+        if (e < elems)
+          for (int32_t r = first; r < cta; ++r) before[i] += __ldcg(slots + int64_t{r} * kStreamKSlotFloats + e);
+      }
+    }
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    walk.run(acc, lo, lane);
+    piece.partial.store(acc, warp, lane);
+    __syncthreads();
+    if (tail) {  // the tile is complete here
+#pragma unroll
+      for (int i = 0; i < kStreamKElemsPerThread; ++i) {
+        const int e = threadIdx.x + i * 32 * W;
+        if (e < elems) stream_k_store(before[i] + piece.sum(e), e, nt, n, global_scale, bias, out);
+      }
+      if (!head && threadIdx.x == 0)
+        for (int32_t r = runs.run_of(nt * tiles_k); r < cta; ++r) cuda::st_relaxed_gpu(flags + r, uint64_t{0});
+    } else {  // publish: the slot, then (after the CTA barrier) the flag
+      for (int e = threadIdx.x; e < elems; e += 32 * W) slots[int64_t{cta} * kStreamKSlotFloats + e] = piece.sum(e);
+      __syncthreads();
+      if (threadIdx.x == 0) cuda::st_release_gpu(flags + cta, id);
+    }
+    __syncthreads();  // piece is reused by the next one
+  }
+  walk.finish();
 }
 
 // ---- medium M: the wide kernel ----------------------------------------------
@@ -582,10 +719,25 @@ cudaError_t launch_narrow(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
+// The stream-K kernel's runs: its units (N / 16 tiles x k-tiles) in
+// p.stream_k_ctas runs.
+StreamKRuns stream_k_runs(const LinearArgs& a, const LinearPlan& p) {
+  const int64_t units = a.n / kTileN * (padded_k(a.k) / kTileK);
+  return {static_cast<int32_t>(units / p.stream_k_ctas), static_cast<int32_t>(units % p.stream_k_ctas)};
+}
+
 template <typename T, int W, int kPairs>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
   const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
+  if (p.stream_k_ctas > 0) {
+    cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
+    if (err != cudaSuccess) return err;
+    return cuda::launch_dependent(linear_stream_k_kernel<T, W, kPairs>, dim3(static_cast<unsigned>(p.stream_k_ctas)),
+                                  dim3(32 * W), smem, stream, static_cast<const T*>(a.x), a.weight, a.scale,
+                                  a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out),
+                                  static_cast<float*>(a.workspace), a.m, a.n, a.k, stream_k_runs(a, p));
+  }
   cudaError_t err = cuda::allow_dynamic_smem(linear_stream_kernel<T, W, kPairs>, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
@@ -822,6 +974,29 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   return best;
 }
 
+// The stream-K kernel's CTAs (0: the stream kernel's whole tiles), W warps
+// each, one wave of 16 warps per SM (or fewer: LOWBIT_STREAM_CTAS_PER_SM).
+// It can run where W <= tiles_k and the units fit its 32-bit counters; it
+// does where whole tiles would sit 10% or more unevenly on the SMs (the
+// busiest SM's tiles against the average) and the runs are 128 units or
+// longer, so that the even runs repay the pieces' adds (Linear v21 in
+// docs/PERF.md: 18432 x 7168 ran 10% faster at M = 1-4 and 1% at 8, the
+// bench's shapes of shorter runs 20-65% slower, the even 7168 x 18432 0-4%).
+// LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
+// run, for probes.
+int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
+  static const int forced = env_int("LOWBIT_STREAM_K", -1);
+  static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
+  const int64_t units = ntiles * tiles_k, sms = cuda::num_sms();
+  if (forced == 0 || m < 1 || m > kStreamMaxM || warps > tiles_k || units > (int64_t{1} << 30)) return 0;
+  const int most = std::min(stream_ctas_per_sm_max(warps, static_cast<int>(m)), kStreamKWarpsPerSm / warps);
+  const int per_sm = std::min(most, forced_cap > 0 ? forced_cap : kStreamKWarpsPerSm / warps);
+  const int64_t ctas = std::min(units, int64_t{per_sm} * sms);
+  const bool uneven = 10 * cuda::ceil_div(ntiles, sms) * sms >= 11 * ntiles;
+  if (forced != 1 && (!uneven || units < 128 * ctas)) return 0;
+  return ctas;
+}
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -839,8 +1014,9 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   const LinearPlan stream_plan = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
-  const bool stream = m <= kStreamMaxM &&
-                      (m > 4 || stream_spread || (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
+  const int64_t stream_k = m <= kStreamMaxM ? stream_k_ctas(m, ntiles, tiles_k, stream_plan.warps) : 0;
+  const bool stream = m <= kStreamMaxM && (stream_k > 0 || m > 4 || stream_spread ||
+                                           (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
   // M 12..16: the panel kernel where its grid runs in one wave (Linear v15):
   // x crosses L2 once per 128 W rows and K chunk, not once per 16 W rows.
   // Longer K or more W tiles (the 71 MB shapes) stay on the wide kernel.
@@ -867,6 +1043,13 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   if (path == LinearPath::kStream) {
     p = stream_plan;
     static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);  // probes (nvfp4_gemm.h)
+    if (stream_k > 0) {
+      p.splits = 1;
+      p.ctas_per_sm = static_cast<int>(cuda::ceil_div(stream_k, sms));
+      p.stream_k_ctas = stream_k;
+      p.workspace_bytes = stream_k_workspace_bytes(stream_k);
+      return p;
+    }
     if (forced_cap > 0) p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;

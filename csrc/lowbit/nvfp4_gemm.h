@@ -59,7 +59,10 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     grids of at most 1.5 waves at 16 warps per SM held
 //                     to that (M <= 4: only where the narrow kernel needs
 //                     several waves, or where such a capped grid brings 10
-//                     warps or more per SM)
+//                     warps or more per SM). Where whole tiles would sit
+//                     unevenly on the SMs and K is long, the stream-K
+//                     form: one wave of CTAs on equal runs of k-tiles that
+//                     cross tiles, the pieces of a tile added in the kernel
 //   kPanelMinM <= M <= kPanelMaxM
 //                     panel kernel, where its grid runs in one wave: 8 warps
 //                     on 128 W rows over one K chunk whose x rows sit in
@@ -102,6 +105,8 @@ struct LinearPlan {
   int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
   int warps;                 // stream / narrow: warps per CTA, all on one 16-row W tile
   int ctas_per_sm;           // stream: CTAs per SM the launch allows (0: as many as fit)
+  int64_t stream_k_ctas;     // stream: CTAs of the stream-K kernel (runs of k-tiles across
+                             // tiles), or 0: a CTA per W tile and K split
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
@@ -124,7 +129,9 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
 // registers (32 warps) and shared memory (rings, partial sums).
 int stream_ctas_per_sm_max(int warps, int rows);
 // LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
-// per SM, for probes (Linear v18 in docs/PERF.md).
+// per SM, for probes (Linear v18 in docs/PERF.md). LOWBIT_STREAM_K=0|1 (read
+// once) turns the stream-K form off, or on at M <= 8 wherever it can run
+// (Linear v21).
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

@@ -561,6 +561,31 @@ __device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, cons
 // Shared memory of one streaming warp's ring for `rows` rows of x.
 LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
 
+// The x copies of one k-tile into the stage at shared address st: pair j
+// from xp[j] (bytes: 16, or 0 to zero-fill columns past K); pairs up to
+// kPairs / 2 always, the rest while below `pairs` (stream_mainloop).
+template <typename T, int kPairs>
+__device__ __forceinline__ void copy_x_ktile(uint32_t st, const T* const (&xp)[kPairs], uint32_t bytes, int pairs) {
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j)
+    if (j <= kPairs / 2 || j < pairs) cp_async16_ca(st + j * 2 * kStreamRowBytes, xp[j], bytes);
+}
+// The MMAs of the k-tile in the stage at st (generic address); xoff: this
+// lane's x fragment in a stage. The __syncwarp between the shared-memory
+// reads and the math lets the caller refill the stage next.
+template <typename T, bool kDecodePairs>
+__device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int lane, float (&acc)[1][4]) {
+  const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
+  const uint4 sc = reinterpret_cast<const uint4*>(st + kTileBytes)[lane / 4];
+  uint2 xv[8];
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) xv[kt] = *reinterpret_cast<const uint2*>(st + xoff + kt * 32);
+  __syncwarp();
+  const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
+  mma_tile<T, 1, kDecodePairs>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+}
+
 // kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
 // fewer pointers to carry and copies to issue when the caller knows x is
 // short); pairs up to kPairs / 2 are always copied (a caller with fewer
@@ -607,10 +632,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     if (kc_issue < kc_stop) {
       const uint32_t st = ring0 + slot_issue * stage_bytes;
       copy_w_ktile(st, wsrc, ssrc, lane);
-      const uint32_t bytes = col < k_cols ? 16 : 0;
-#pragma unroll
-      for (int j = 0; j < kPairs; ++j)
-        if (j <= kPairs / 2 || j < pairs) cp_async16_ca(st + dst_x + j * 2 * kStreamRowBytes, xp[j], bytes);
+      copy_x_ktile<T, kPairs>(st + dst_x, xp, col < k_cols ? 16 : 0, pairs);
     }
     cp_async_commit();
     kc_issue += kW;
@@ -632,20 +654,106 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     issue();
     cp_async_wait<kStreamStages - 1>();  // this lane's copies of k-tile kc have landed
     __syncwarp();                        // and every lane's
-    const char* st = reinterpret_cast<const char*>(ring) + slot * stage_bytes;
-    const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
-    const uint4 sc = reinterpret_cast<const uint4*>(st + kTileBytes)[lane / 4];
-    uint2 xv[8];
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) xv[kt] = *reinterpret_cast<const uint2*>(st + xoff + kt * 32);
-    __syncwarp();
-    const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
-    mma_tile<T, 1, kDecodePairs>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+    stream_ktile_mma<T, kDecodePairs>(reinterpret_cast<const char*>(ring) + slot * stage_bytes, xoff, lane, acc);
     slot = slot + 1 == kStreamStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
 }
+
+// stream_mainloop over a run of units that crosses W tile rows, walked
+// downwards, for the stream-K kernel: unit u is the W k-tile at wtiles + u
+// (codes) and stiles + u (scales) -- a row's k-tiles lie one after
+// another, and rows follow each other -- with x's columns of k-tile
+// u mod tiles_k. The warp takes units top, top - kW, ... down to bottom,
+// its copies running kStreamStages - 1 units ahead of its MMAs across
+// calls of run(), so the caller can stop at a tile row's start, add the
+// row up, and go on without draining the ring. Counters are 32-bit (units
+// + 32 k-tiles below 2^31) and kW <= tiles_k (one addition wraps x's
+// columns); the rest as stream_mainloop.
+template <typename T, int kW, int kPairs>
+class StreamRunWarp {
+ public:
+  // Issues the first kStreamStages - 1 units' copies. top_kc: top mod
+  // tiles_k. lane: the caller's, passed to every call rather than kept (one
+  // register fewer).
+  __device__ __forceinline__ StreamRunWarp(uint4* ring, int rows, const T* const (&xsrc)[kPairs],
+                                           const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
+                                           int64_t k, int32_t tiles_k, int32_t top, int32_t top_kc, int32_t bottom,
+                                           int lane)
+      : ring_(reinterpret_cast<const char*>(ring)),
+        ring0_(static_cast<uint32_t>(__cvta_generic_to_shared(ring))),
+        stage_bytes_(stream_stage_bytes(rows)),
+        dst_x_(kTileBytes + kTileScaleBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16),
+        rows_(rows),
+        pairs_((rows + 1) / 2),
+        tiles_k_(tiles_k),
+        bottom_(bottom),
+        // Only the last k-tile of a row may hold columns >= k.
+        kc_in_k_(int64_t{tiles_k - 1} * kTileK + (lane % 16) * 8 < k ? tiles_k : tiles_k - 1),
+        next_(top),
+        kc_x_(top_kc),
+        wsrc_(reinterpret_cast<const char*>(wtiles + int64_t{top} * (kTileBytes / 16) + lane)),
+        ssrc_(reinterpret_cast<const char*>(stiles + int64_t{top} * (kTileScaleBytes / 16) + lane % 8)) {
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) xp_[j] = xsrc[j] + int64_t{kc_x_} * kTileK;
+#pragma unroll
+    for (int i = 0; i < kStreamStages - 1; ++i) issue(next_ - i * kW, lane);
+  }
+
+  // Adds this warp's units down to `end` (>= bottom) into acc (16 W rows x
+  // 8 rows of x, mma C layout; rows past `rows` repeat the last one).
+  __device__ __forceinline__ void run(float (&acc)[1][4], int32_t end, int lane) {
+    const int xoff = kTileBytes + kTileScaleBytes + min(lane / 4, rows_ - 1) * kStreamRowBytes + (lane % 4) * 8;
+    for (; next_ >= end; next_ -= kW) {
+      // Into the slot the previous unit read (__syncwarp'ed past).
+      issue(next_ - (kStreamStages - 1) * kW, lane);
+      cp_async_wait<kStreamStages - 1>();  // this lane's copies of the unit have landed
+      __syncwarp();                        // and every lane's
+      stream_ktile_mma<T, true>(ring_ + slot_ * stage_bytes_, xoff, lane, acc);
+      slot_ = slot_ + 1 == kStreamStages ? 0 : slot_ + 1;
+    }
+  }
+
+  // No copy outlives the warp's run (the ring may be reused).
+  __device__ __forceinline__ void finish() { cp_async_wait<0>(); }
+
+ private:
+  // Unit u's copies (none below bottom; u is kW under the last call's), one
+  // commit group per unit (empty past the end), so wait_group counts stay
+  // uniform.
+  __device__ __forceinline__ void issue(int32_t u, int lane) {
+    if (u >= bottom_) {
+      const uint32_t st = ring0_ + slot_issue_ * stage_bytes_;
+      copy_w_ktile(st, wsrc_, ssrc_, lane);
+      copy_x_ktile<T, kPairs>(st + dst_x_, xp_, kc_x_ < kc_in_k_ ? 16 : 0, pairs_);
+    }
+    cp_async_commit();
+    wsrc_ -= kW * kTileBytes;
+    ssrc_ -= kW * kTileScaleBytes;
+    kc_x_ -= kW;
+    int32_t x_step = -kW * kTileK;
+    if (kc_x_ < 0) {  // the previous W tile row: x from its last columns again
+      kc_x_ += tiles_k_;
+      x_step += tiles_k_ * kTileK;
+    }
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) xp_[j] += x_step;
+    slot_issue_ = slot_issue_ + 1 == kStreamStages ? 0 : slot_issue_ + 1;
+  }
+
+  const char* const ring_;
+  const uint32_t ring0_, stage_bytes_, dst_x_;  // dst_x_: this lane's x copy in a stage
+  const int rows_, pairs_;
+  const int32_t tiles_k_, bottom_;
+  const int32_t kc_in_k_;  // x's k-tiles whose columns of this lane are below k
+  int32_t next_;           // the next unit to add
+  int32_t kc_x_;           // x's k-tile of the next unit to copy
+  const char* wsrc_;
+  const char* ssrc_;
+  const T* xp_[kPairs];
+  uint32_t slot_issue_ = 0;
+  int slot_ = 0;
+};
 
 // ---- panel: streaming warps over a chunk of x held in shared memory -----------
 // For 12..16 rows of x (linear_plan), where the narrow kernel reads x again

@@ -73,14 +73,12 @@ TEST_F(LinearPlan, StreamKernelShapesOfTheSmallMTest) {
 
 TEST_F(LinearPlan, BenchShapesAtOneRow) {
   // docs/PERF.md, Linear v16: 1536 x 24576 (1536 tiles) one warp per tile at
-  // 12 CTAs per SM; 18432 x 7168 (448 tiles) the narrow kernel, 4 warps.
+  // 12 CTAs per SM.
   gemm::LinearPlan p = gemm::linear_plan(1, 24576, 1536);
   EXPECT_EQ(p.path, LinearPath::kStream);
   EXPECT_EQ(p.warps, 1);
   EXPECT_EQ(p.ctas_per_sm, 12);
-  p = gemm::linear_plan(1, 7168, 18432);
-  EXPECT_EQ(p.path, LinearPath::kNarrow);
-  EXPECT_EQ(p.warps, 4);
+  EXPECT_EQ(p.stream_k_ctas, 0);
   // 7168 x 18432 (1152 tiles, 56 k-tiles): 8 warps per tile, uncapped
   // (4 CTAs per SM at one row, 3 at three; Linear v17; v18's fuller waves
   // at 3 per SM gained under 1% and were dropped).
@@ -96,6 +94,29 @@ TEST_F(LinearPlan, BenchShapesAtOneRow) {
   p = gemm::linear_plan(1, 1536, 4096);
   EXPECT_GT(p.splits, 1);
   EXPECT_EQ(p.workspace_bytes, p.splits * 1 * 1536 * int64_t{sizeof(float)});
+}
+
+TEST_F(LinearPlan, StreamKWhereWholeTilesSitUnevenly) {
+  // Linear v21: 18432 x 7168 (448 tiles of 144 k-tiles: 3.4 a SM on
+  // average, 4 on the busiest) runs stream-K at every M <= 8: 264 CTAs of 8
+  // warps, 244 units each, a slot and a flag per CTA in the workspace.
+  for (int64_t m = 1; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 7168, 18432);
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.warps, 8) << m;
+    EXPECT_EQ(p.stream_k_ctas, 264) << m;
+    EXPECT_EQ(p.ctas_per_sm, 2) << m;
+    EXPECT_EQ(p.splits, 1) << m;
+    EXPECT_EQ(p.workspace_bytes, 264 * (16 * 8 * int64_t{sizeof(float)} + 8)) << m;
+  }
+  // Not where whole tiles sit evenly (7168 x 18432: 8.7 a SM, 9 on the
+  // busiest), nor on short runs (2048 x 7168: uneven, but 27 units a CTA),
+  // nor past M = 8.
+  for (int64_t m : {1, 4, 8}) {
+    EXPECT_EQ(gemm::linear_plan(m, 18432, 7168).stream_k_ctas, 0) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 7168, 2048).stream_k_ctas, 0) << m;
+  }
+  EXPECT_EQ(gemm::linear_plan(9, 7168, 18432).stream_k_ctas, 0);
 }
 
 TEST_F(LinearPlan, StreamCtasPerSm) {

@@ -483,6 +483,32 @@ def test_cuda_more_w_tiles_than_grid_y_holds():
         assert rel_err(y, x.float() @ deq_cuda.T) <= REL_TOL, m
 
 
+def _small_m_cases(gen, shapes, ms):
+    """(x, prepacked weight, scale, global, bias or None) per (N, K) shape,
+    dtype (bf16, fp16) and M, with a bias at odd M, and each reference."""
+    cases, wants = [], []
+    for n, k in shapes:
+        _, _, deq, pw, ps, g = make_weight(n, k, gen)
+        for dtype in (torch.bfloat16, torch.float16):
+            bias = torch.randn(n, generator=gen).to(dtype)
+            for m in ms:
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                b = bias if m % 2 else None
+                cases.append((x, pw, ps, g, b))
+                wants.append(reference(x, deq, b))
+    return cases, wants
+
+
+def _outputs_in_fresh_process(script, tmp_path, run, **knobs):
+    """The outputs `script` saves for tmp_path/cases.pt, run in a new process
+    with the kernel knobs (environment variables) set."""
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
+    out_file = tmp_path / f"out{run}.pt"
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(out_file)],
+                   env=dict(os.environ, PYTHONPATH=path, **knobs), check=True)
+    return torch.load(out_file)
+
+
 # Run in a fresh process: the kernel knobs are read once per process. Each
 # case runs twice (the second output checks determinism).
 _STREAM_OUTPUTS = """
@@ -506,31 +532,64 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # nor the order of the sums, so it must give the first run's outputs bit
     # for bit.
     gen = torch.Generator().manual_seed(21)
-    cases, wants = [], []
-    for n, k in [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]:
-        _, _, deq, pw, ps, g = make_weight(n, k, gen)
-        for dtype in (torch.bfloat16, torch.float16):
-            bias = torch.randn(n, generator=gen).to(dtype)
-            for m in (1, 2, 3, 4, 5, 7, 8):
-                x = torch.randn(m, k, generator=gen).to(dtype)
-                b = bias if m % 2 else None
-                cases.append((x, pw, ps, g, b))
-                wants.append(reference(x, deq, b))
+    shapes = [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]
+    cases, wants = _small_m_cases(gen, shapes, (1, 2, 3, 4, 5, 7, 8))
     torch.save(cases, tmp_path / "cases.pt")
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
     knobs = [{}, {"LOWBIT_STREAM_CTAS_PER_SM": "3"}]
     first = None
     for i, extra in enumerate(knobs):
-        env = dict(os.environ, PYTHONPATH=path, LOWBIT_LINEAR_PATH="stream", **extra)
-        out_file = tmp_path / f"out{i}.pt"
-        subprocess.run([sys.executable, "-c", _STREAM_OUTPUTS, str(tmp_path / "cases.pt"), str(out_file)],
-                       env=env, check=True)
-        runs = torch.load(out_file)
+        runs = _outputs_in_fresh_process(_STREAM_OUTPUTS, tmp_path, i, LOWBIT_LINEAR_PATH="stream", **extra)
         first = runs if first is None else first
         for (x, pw, *_), want, (y, again), (y_first, _) in zip(cases, wants, runs, first):
             assert rel_err(y, want) <= REL_TOL, (extra, x.shape, pw.shape, x.dtype)
             assert torch.equal(y, again), (extra, x.shape, pw.shape, x.dtype)
             assert torch.equal(y, y_first), (extra, x.shape, pw.shape, x.dtype)
+
+
+# Each case eagerly twice, then captured in a CUDA graph and replayed three
+# times (the stream-K kernel's flags must be back at zero after every
+# launch, whatever launch id the replay carries).
+_GRAPH_OUTPUTS = """
+import sys, torch, lowbit
+cases = torch.load(sys.argv[1])
+outs = []
+for x, pw, ps, g, b in cases:
+    args = [t if t is None else t.cuda() for t in (x, pw, ps, g, b)]
+    eager = [lowbit.nvfp4_linear(*args).cpu() for _ in range(2)]
+    graph = torch.cuda.CUDAGraph()
+    lowbit.nvfp4_linear(*args)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        y = lowbit.nvfp4_linear(*args)
+    replays = []
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        replays.append(y.cpu())
+    outs.append(eager + replays)
+torch.save(outs, sys.argv[2])
+"""
+
+
+@cuda
+def test_cuda_stream_k_kernel(tmp_path):
+    # The stream-K kernel (LOWBIT_STREAM_K=1 forces it wherever it can run:
+    # M <= 8 and warps per tile <= k-tiles) cuts the (tile, k-tile) units
+    # into one run per CTA. Shapes where a run holds several whole tiles and
+    # pieces (4096 x 7168), where runs are shorter than a tile so a tile has
+    # many pieces (N = 48, K = 7168: 168 units on as many CTAs, one unit
+    # each), a partial last k-tile (K = 1168), odd M, bias, bf16 and fp16;
+    # then with one CTA per SM (longer runs, other cuts). Every output
+    # matches the reference, is the same on a second call, and the same in
+    # three CUDA graph replays (deterministic: pieces added in k order).
+    gen = torch.Generator().manual_seed(23)
+    cases, wants = _small_m_cases(gen, [(48, 7168), (16 * 1152, 1168), (4096, 7168), (7168, 2048)], (1, 3, 4, 5, 8))
+    torch.save(cases, tmp_path / "cases.pt")
+    for i, extra in enumerate([{}, {"LOWBIT_STREAM_CTAS_PER_SM": "1"}]):
+        runs = _outputs_in_fresh_process(_GRAPH_OUTPUTS, tmp_path, i, LOWBIT_STREAM_K="1", **extra)
+        for (x, pw, *_), want, outs in zip(cases, wants, runs):
+            assert rel_err(outs[0], want) <= REL_TOL, (extra, x.shape, pw.shape, x.dtype)
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0]), (extra, x.shape, pw.shape, x.dtype)
 
 
 @cuda
