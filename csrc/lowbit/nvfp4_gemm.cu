@@ -984,9 +984,15 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 // bench's shapes of shorter runs 20-65% slower, the even 7168 x 18432 0-4%).
 // LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
 // run, for probes.
+// LOWBIT_STREAM_CTAS_PER_SM (nvfp4_gemm.h): the forced cap, or 0.
+int forced_stream_cap() {
+  static const int cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
+  return cap;
+}
+
 int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
   static const int forced = env_int("LOWBIT_STREAM_K", -1);
-  static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
+  const int forced_cap = forced_stream_cap();
   const int64_t units = ntiles * tiles_k, sms = cuda::num_sms();
   if (forced == 0 || m < 1 || m > kStreamMaxM || warps > tiles_k || units > (int64_t{1} << 30)) return 0;
   const int most = std::min(stream_ctas_per_sm_max(warps, static_cast<int>(m)), kStreamKWarpsPerSm / warps);
@@ -1042,7 +1048,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.path = path = LinearPath::kWide;
   if (path == LinearPath::kStream) {
     p = stream_plan;
-    static const int forced_cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);  // probes (nvfp4_gemm.h)
+    const int forced_cap = forced_stream_cap();
     if (stream_k > 0) {
       p.splits = 1;
       p.ctas_per_sm = static_cast<int>(cuda::ceil_div(stream_k, sms));
