@@ -107,6 +107,7 @@ struct LinearPlan {
   int ctas_per_sm;           // stream: CTAs per SM the launch allows (0: as many as fit)
   int64_t stream_k_ctas;     // stream: CTAs of the stream-K kernel (runs of k-tiles across
                              // tiles), or 0: a CTA per W tile and K split
+  bool stream_roomy;         // stream (not stream-K): the build for 16 warps per SM (128 registers)
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
@@ -131,7 +132,9 @@ int stream_ctas_per_sm_max(int warps, int rows);
 // LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
 // per SM, for probes (Linear v18 in docs/PERF.md). LOWBIT_STREAM_K=0|1 (read
 // once) turns the stream-K form off, or on at M <= 8 wherever it can run
-// (Linear v21).
+// (Linear v21). LOWBIT_STREAM_ROOMY=1 (read once) runs the stream kernel's
+// 128-register build where the plan holds an SM to 16 warps or fewer
+// (Linear v22, prepared, not yet timed).
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

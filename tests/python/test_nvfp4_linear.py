@@ -528,14 +528,15 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # counts), K split through partials (few tiles), a partial last k-tile
     # and odd M (the last pair's second row, past M, is copied from a valid
     # row and never read: Linear v20), in bf16 and fp16. Then again with a
-    # forced cap (3 CTAs per SM, the probes' knob), which changes no product
-    # nor the order of the sums, so it must give the first run's outputs bit
-    # for bit.
+    # forced cap (3 CTAs per SM, the probes' knob), and with the 128-register
+    # build where the plan holds an SM to 16 warps (Linear v22), which change
+    # no product nor the order of the sums, so they must give the first
+    # run's outputs bit for bit.
     gen = torch.Generator().manual_seed(21)
     shapes = [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]
     cases, wants = _small_m_cases(gen, shapes, (1, 2, 3, 4, 5, 7, 8))
     torch.save(cases, tmp_path / "cases.pt")
-    knobs = [{}, {"LOWBIT_STREAM_CTAS_PER_SM": "3"}]
+    knobs = [{}, {"LOWBIT_STREAM_CTAS_PER_SM": "3"}, {"LOWBIT_STREAM_ROOMY": "1"}]
     first = None
     for i, extra in enumerate(knobs):
         runs = _outputs_in_fresh_process(_STREAM_OUTPUTS, tmp_path, i, LOWBIT_LINEAR_PATH="stream", **extra)
