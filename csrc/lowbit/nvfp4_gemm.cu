@@ -337,11 +337,11 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
   for (int32_t nt = last_tile; nt >= first_tile; --nt) {
     const int32_t lo = max(u0, nt * tiles_k), hi = min(u1, (nt + 1) * tiles_k);
     const bool head = lo == nt * tiles_k, tail = hi == (nt + 1) * tiles_k;  // the piece holds k-tile 0 / the last
-    // The last piece of a tile whose head is in lower CTAs: their pieces,
-    // added in k order, loaded while this one runs.
+    // The last piece of a tile whose head is in lower CTAs (first .. cta -
+    // 1): their pieces, added in k order, loaded while this one runs.
+    const int32_t first = tail && !head ? runs.run_of(nt * tiles_k) : cta;
     float before[kStreamKElemsPerThread] = {};
-    if (tail && !head) {
-      const int32_t first = runs.run_of(nt * tiles_k);
+    if (first < cta) {
       if (threadIdx.x == 0)
         for (int32_t r = first; r < cta; ++r)
           while (cuda::ld_acquire_gpu(flags + r) != id) __nanosleep(64);
@@ -363,8 +363,8 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
         const int e = threadIdx.x + i * 32 * W;
         if (e < elems) stream_k_store(before[i] + piece.sum(e), e, nt, n, global_scale, bias, out);
       }
-      if (!head && threadIdx.x == 0)
-        for (int32_t r = runs.run_of(nt * tiles_k); r < cta; ++r) cuda::st_relaxed_gpu(flags + r, uint64_t{0});
+      if (threadIdx.x == 0)
+        for (int32_t r = first; r < cta; ++r) cuda::st_relaxed_gpu(flags + r, uint64_t{0});
     } else {  // publish: the slot, then (after the CTA barrier) the flag
       for (int e = threadIdx.x; e < elems; e += 32 * W) slots[int64_t{cta} * kStreamKSlotFloats + e] = piece.sum(e);
       __syncthreads();
@@ -980,6 +980,12 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   return best;
 }
 
+// LOWBIT_STREAM_CTAS_PER_SM (nvfp4_gemm.h): the forced cap, or 0.
+int forced_stream_cap() {
+  static const int cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
+  return cap;
+}
+
 // The stream-K kernel's CTAs (0: the stream kernel's whole tiles), W warps
 // each, one wave of 16 warps per SM (or fewer: LOWBIT_STREAM_CTAS_PER_SM).
 // It can run where W <= tiles_k and the units fit its 32-bit counters; it
@@ -990,19 +996,13 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 // bench's shapes of shorter runs 20-65% slower, the even 7168 x 18432 0-4%).
 // LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
 // run, for probes.
-// LOWBIT_STREAM_CTAS_PER_SM (nvfp4_gemm.h): the forced cap, or 0.
-int forced_stream_cap() {
-  static const int cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
-  return cap;
-}
-
 int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
   static const int forced = env_int("LOWBIT_STREAM_K", -1);
   const int forced_cap = forced_stream_cap();
   const int64_t units = ntiles * tiles_k, sms = cuda::num_sms();
   if (forced == 0 || m < 1 || m > kStreamMaxM || warps > tiles_k || units > (int64_t{1} << 30)) return 0;
   const int most = std::min(stream_ctas_per_sm_max(warps, static_cast<int>(m)), kStreamKWarpsPerSm / warps);
-  const int per_sm = std::min(most, forced_cap > 0 ? forced_cap : kStreamKWarpsPerSm / warps);
+  const int per_sm = forced_cap > 0 ? std::min(most, forced_cap) : most;
   const int64_t ctas = std::min(units, int64_t{per_sm} * sms);
   const bool uneven = 10 * cuda::ceil_div(ntiles, sms) * sms >= 11 * ntiles;
   if (forced != 1 && (!uneven || units < 128 * ctas)) return 0;
@@ -1054,7 +1054,6 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p.path = path = LinearPath::kWide;
   if (path == LinearPath::kStream) {
     p = stream_plan;
-    const int forced_cap = forced_stream_cap();
     if (stream_k > 0) {
       p.splits = 1;
       p.ctas_per_sm = static_cast<int>(cuda::ceil_div(stream_k, sms));
@@ -1062,6 +1061,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       p.workspace_bytes = stream_k_workspace_bytes(stream_k);
       return p;
     }
+    const int forced_cap = forced_stream_cap();
     if (forced_cap > 0) p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
     // The roomy build where the plan holds an SM to 16 warps or fewer
     // (prepared in session 26, not yet timed: off unless asked for).
