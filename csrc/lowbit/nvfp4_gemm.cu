@@ -3,8 +3,9 @@
 // four mma.sync GEMMs below and linear_plan, which also picks the wgmma
 // kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
 //
-// Stream (M <= 8) and narrow (M <= 16): one CTA of 1, 2, 4 or 8 warps per
-// 16-row tile of W (and per split of K); the weight is read once, in 1 KB
+// Stream (M <= 8; 5..16 with two W tiles per warp) and narrow (M <= 16):
+// one CTA of 1, 2, 4 or 8 warps per 16-row tile of W (or tile pair, and per
+// split of K); the weight is read once, in 1 KB
 // coalesced pieces, by all SMs at once. The stream kernel's warps feed
 // their k-tiles through cp.async rings in shared memory (stream_mainloop,
 // up to 32 warps per SM; 16 on grids that would otherwise leave SMs idle),
@@ -169,17 +170,22 @@ struct SplitRun {
   const uint4* codes;
   const uint4* scales;
 };
+// nt: the first W tile row; tile_rows: the rows the CTA reads from it on.
 __device__ __forceinline__ SplitRun begin_split_run(const uint8_t* weight, const uint8_t* scale, int64_t k,
-                                                    int64_t tiles_per_split, int64_t ahead) {
+                                                    int64_t tiles_per_split, int64_t ahead, int64_t nt,
+                                                    int tile_rows = 1) {
   cuda::allow_dependent_launch();
   SplitRun r;
-  r.nt = blockIdx.y;
+  r.nt = nt;
   const int64_t tiles_k = padded_k(k) / kTileK;
   r.kc_begin = int64_t(blockIdx.z) * tiles_per_split;
   r.kc_end = min(tiles_k, r.kc_begin + tiles_per_split);
   r.codes = mma::tile_row_codes(weight, r.nt, tiles_k);
   r.scales = mma::tile_row_scales(scale, r.nt, tiles_k);
-  if (threadIdx.x == 0) mma::prefetch_ktiles_l2(r.codes, r.scales, r.kc_begin, min(r.kc_end, r.kc_begin + ahead));
+  if (threadIdx.x == 0)
+    for (int i = 0; i < tile_rows; ++i)
+      mma::prefetch_ktiles_l2(r.codes + i * tiles_k * (kTileBytes / 16), r.scales + i * tiles_k * (kTileScaleBytes / 16),
+                              r.kc_begin, min(r.kc_end, r.kc_begin + ahead));
   cuda::wait_for_previous_grid();
   return r;
 }
@@ -187,11 +193,38 @@ __device__ __forceinline__ SplitRun begin_split_run(const uint8_t* weight, const
 // CTAs per SM: 16 warps in all (the register budget of kMinBlocks 8-warp CTAs).
 template <int MT, int W> constexpr int kNarrowCtasPerSm = mma::kMinBlocks<MT> * mma::kWarps / W;
 // Stream kernel: up to 32 warps per SM (64 registers), as shared memory
-// and the plan's ctas_per_sm allow; or built for at most 16 (128
-// registers: the roomy build, and the stream-K kernel).
+// and the plan's ctas_per_sm allow; with two W tiles per warp, 16 (128
+// registers: its rings hold fewer warps anyway).
 constexpr int kStreamWarpsPerSm = 32;
-constexpr int kRoomyWarpsPerSm = 16;
+constexpr int kStreamTilesWarpsPerSm = 16;
 static_assert(kStreamMaxM <= mma::kStreamMaxRows, "the stream main loop takes at most 8 rows of x");
+static_assert(kStreamTilesMaxM <= mma::kStreamTilesMaxRows, "two tiles per warp take at most 16 rows of x");
+LOWBIT_HD constexpr int stream_warps_per_sm(int tiles) { return tiles == 1 ? kStreamWarpsPerSm : kStreamTilesWarpsPerSm; }
+
+// The stream kernel's last step with kTiles W tiles per warp: as
+// narrow_finish, for the CTA's tiles nt0 .. nt0 + kTiles - 1 below ntiles,
+// the warps' sums kept in the rings' shared memory `smem` (every copy has
+// landed: the main loop's last wait, then the barrier below), so a CTA
+// needs no shared memory beyond its rings.
+template <typename T, int MT, int W, int kTiles>
+__device__ __forceinline__ void stream_tiles_finish(const float (&acc)[kTiles * MT][4], void* smem, int64_t nt0,
+                                                    int64_t m, int64_t n, const float* global_scale, const T* bias,
+                                                    T* out, float* workspace) {
+  using Partials = mma::CtaPartials<kTiles * MT, W>;
+  static_assert(sizeof(Partials) <= W * mma::stream_warp_bytes(1, kTiles), "the partial sums fit in the rings");
+  __syncthreads();  // every warp is past its ring
+  Partials& partial = *static_cast<Partials*>(smem);
+  partial.store(acc, threadIdx.x / 32, threadIdx.x % 32);
+  __syncthreads();
+  const int64_t ntiles = n / kTileN;
+  for (int e = threadIdx.x; e < kTiles * kTileN * 8 * MT; e += 32 * W) {
+    const int r = e % kTileN, c = e / kTileN;  // r: row of the W tile; c: its tile (c / 8 MT) and x row (c % 8 MT)
+    const int64_t nt = nt0 + c / (8 * MT), row = c % (8 * MT), o = nt * kTileN + r;
+    if (nt >= ntiles || row >= m) continue;
+    finish_output(partial.sum(r, c), row * n + o, o, blockIdx.z, gridDim.z, m * n, global_scale, bias, out,
+                  workspace);
+  }
+}
 
 template <typename T, int MT, int W>
 __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow_kernel(
@@ -200,7 +233,7 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = int64_t(blockIdx.x) * 8 * MT;
-  const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, mma::kStages<MT> * W);
+  const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, mma::kStages<MT> * W, blockIdx.y);
 
   const T* xrow[MT];
 #pragma unroll
@@ -217,28 +250,37 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 // stream_warp_bytes(M). The loop's k-tile and column counters are 32-bit
 // (padded K <= kStreamMaxPaddedK, linear_plan): the 64-bit compares and
 // adds cost ~12 of a k-tile's ~220 SASS instructions (Linear v19). The
-// decode goes two k-tiles at a time (Linear v20). kRoomy: built for at
-// most 16 warps per SM, 128 registers (Linear v22: the 4-pair loop 221
-// SASS instructions per k-tile against 236; for plans that hold an SM to
-// 16 warps anyway).
-template <typename T, int W, int kPairs, bool kRoomy>
-__global__ void __launch_bounds__(32 * W, (kRoomy ? kRoomyWarpsPerSm : kStreamWarpsPerSm) / W) linear_stream_kernel(
+// decode goes two k-tiles at a time (Linear v20). With one W tile per
+// warp, built for 32 warps per SM: the 128-register build for plans that
+// hold an SM to 16 warps ran no faster (Linear v22). kTiles = 2: a warp
+// takes W tiles 2 y and 2 y + 1 (the second a stand-in for the first past
+// N), M <= 2 kPairs <= 16 (Linear v23).
+template <typename T, int W, int kPairs, int kTiles>
+__global__ void __launch_bounds__(32 * W, stream_warps_per_sm(kTiles) / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
+  constexpr int MT = mma::kStreamMtiles<kPairs>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const SplitRun run = begin_split_run(weight, scale, k, tiles_per_split, (mma::kStreamStages - 1) * W);
+  const int64_t nt0 = int64_t(blockIdx.y) * kTiles;
+  const int tile_rows = static_cast<int>(min(int64_t{kTiles}, n / kTileN - nt0));
+  const SplitRun run =
+      begin_split_run(weight, scale, k, tiles_per_split, (mma::kStreamStages - 1) * W, nt0, tile_rows);
 
   const int rows = static_cast<int>(m);
   const T* xsrc[kPairs];
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
   extern __shared__ uint4 stream_ring[];
-  float acc[1][4];
-  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
-  mma::stream_mainloop<T, W, kPairs, true, int32_t>(acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin,
-                                                    run.kc_end, warp, lane);
-  narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
+  float acc[kTiles * MT][4];
+  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows, kTiles) / 16);
+  const int64_t tile_step = tile_rows > 1 ? padded_k(k) / kTileK : 0;
+  mma::stream_mainloop<T, W, kPairs, true, int32_t, kTiles>(acc, ring, rows, xsrc, run.codes, run.scales, k,
+                                                            run.kc_begin, run.kc_end, warp, lane, tile_step);
+  if constexpr (kTiles == 1)
+    narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
+  else
+    stream_tiles_finish<T, MT, W, kTiles>(acc, stream_ring, nt0, m, n, global_scale, bias, out, workspace);
 }
 
 // ---- small M, stream-K: the stream kernel over even runs of k-tiles ---------
@@ -305,7 +347,7 @@ constexpr int kStreamKElemsPerThread = kTileN * mma::kStreamMaxRows / 32;
 // Dynamic shared memory: W * stream_warp_bytes(M). workspace:
 // stream_k_workspace_bytes(G). 16 warps per SM, at up to 128 registers:
 // at 64, ptxas recomputes the loop's bounds every unit.
-constexpr int kStreamKWarpsPerSm = kRoomyWarpsPerSm;
+constexpr int kStreamKWarpsPerSm = 16;
 template <typename T, int W, int kPairs>
 __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_k_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
@@ -731,22 +773,25 @@ StreamKRuns stream_k_runs(const LinearArgs& a, const LinearPlan& p) {
   return {static_cast<int32_t>(units / p.stream_k_ctas), static_cast<int32_t>(units % p.stream_k_ctas)};
 }
 
-template <typename T, int W, int kPairs>
+template <typename T, int W, int kPairs, int kTiles>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
-  const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m)), p.ctas_per_sm);
-  if (p.stream_k_ctas > 0) {
-    cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
-    if (err != cudaSuccess) return err;
-    return cuda::launch_dependent(linear_stream_k_kernel<T, W, kPairs>, dim3(static_cast<unsigned>(p.stream_k_ctas)),
-                                  dim3(32 * W), smem, stream, static_cast<const T*>(a.x), a.weight, a.scale,
-                                  a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out),
-                                  static_cast<float*>(a.workspace), a.m, a.n, a.k, stream_k_runs(a, p));
+  const int smem =
+      cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), kTiles), p.ctas_per_sm);
+  if constexpr (kTiles == 1) {  // stream-K: one tile per warp only
+    if (p.stream_k_ctas > 0) {
+      cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
+      if (err != cudaSuccess) return err;
+      return cuda::launch_dependent(linear_stream_k_kernel<T, W, kPairs>, dim3(static_cast<unsigned>(p.stream_k_ctas)),
+                                    dim3(32 * W), smem, stream, static_cast<const T*>(a.x), a.weight, a.scale,
+                                    a.global_scale, static_cast<const T*>(a.bias), static_cast<T*>(a.out),
+                                    static_cast<float*>(a.workspace), a.m, a.n, a.k, stream_k_runs(a, p));
+    }
   }
-  auto* kernel = p.stream_roomy ? linear_stream_kernel<T, W, kPairs, true> : linear_stream_kernel<T, W, kPairs, false>;
+  auto* kernel = linear_stream_kernel<T, W, kPairs, kTiles>;
   cudaError_t err = cuda::allow_dynamic_smem(kernel, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(1, static_cast<unsigned>(a.n / kTileN), static_cast<unsigned>(p.splits));
+  const dim3 grid(1, static_cast<unsigned>(cuda::ceil_div(a.n / kTileN, kTiles)), static_cast<unsigned>(p.splits));
   err = cuda::launch_dependent(kernel, grid, dim3(32 * W), smem, stream,
                                static_cast<const T*>(a.x), a.weight, a.scale, a.global_scale,
                                static_cast<const T*>(a.bias), static_cast<T*>(a.out),
@@ -755,13 +800,13 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
   return launch_split_reduce<T>(a, p.splits, stream);
 }
 
-template <typename T, int kPairs>
+template <typename T, int kPairs, int kTiles>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   switch (p.warps) {
-    case 1: return launch_stream<T, 1, kPairs>(a, p, stream);
-    case 2: return launch_stream<T, 2, kPairs>(a, p, stream);
-    case 4: return launch_stream<T, 4, kPairs>(a, p, stream);
-    case 8: return launch_stream<T, 8, kPairs>(a, p, stream);
+    case 1: return launch_stream<T, 1, kPairs, kTiles>(a, p, stream);
+    case 2: return launch_stream<T, 2, kPairs, kTiles>(a, p, stream);
+    case 4: return launch_stream<T, 4, kPairs, kTiles>(a, p, stream);
+    case 8: return launch_stream<T, 8, kPairs, kTiles>(a, p, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -769,12 +814,18 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
 // The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,
 // 2 at M <= 4, 4 at M <= 8, so the copies of pairs past M are not issued,
 // predicated off, every k-tile (Linear v17 in docs/PERF.md). The products
-// and their order do not depend on the build.
+// and their order do not depend on the build. Two W tiles per warp: built
+// for 5..8 and 9..16 rows.
 template <typename T>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
-  if (a.m <= 2) return launch_stream<T, 1>(a, p, stream);
-  if (a.m <= 4) return launch_stream<T, 2>(a, p, stream);
-  return launch_stream<T, mma::kStreamMaxRows / 2>(a, p, stream);
+  if (p.stream_tiles == 2) {
+    if (a.m <= 4) return cudaErrorInvalidValue;  // no such build (linear_plan)
+    if (a.m <= 8) return launch_stream<T, mma::kStreamMaxRows / 2, 2>(a, p, stream);
+    return launch_stream<T, mma::kStreamTilesMaxRows / 2, 2>(a, p, stream);
+  }
+  if (a.m <= 2) return launch_stream<T, 1, 1>(a, p, stream);
+  if (a.m <= 4) return launch_stream<T, 2, 1>(a, p, stream);
+  return launch_stream<T, mma::kStreamMaxRows / 2, 1>(a, p, stream);
 }
 
 template <typename T, int MT>
@@ -858,18 +909,21 @@ int one_wave_warps_per_tile(int64_t tiles) {
   return 0;
 }
 
-int stream_ctas_per_sm_max(int warps, int rows) {
-  // A CTA: its rings, its partial sums, and the 1 KB the system reserves.
-  const int64_t cta_bytes = warps * (mma::stream_warp_bytes(rows) + 512) + 1024;
-  return static_cast<int>(std::min<int64_t>(kStreamWarpsPerSm / warps, cuda::smem_per_sm() / cta_bytes));
+int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp) {
+  // A CTA: its rings, its partial sums (static with one tile per warp, in
+  // the rings with two), and the 1 KB the system reserves.
+  const int partials = tiles_per_warp == 1 ? 512 : 0;
+  const int64_t cta_bytes = warps * (mma::stream_warp_bytes(rows, tiles_per_warp) + partials) + 1024;
+  return static_cast<int>(
+      std::min<int64_t>(stream_warps_per_sm(tiles_per_warp) / warps, cuda::smem_per_sm() / cta_bytes));
 }
 
-int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows) {
+int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp) {
   static const int forced = env_int("LOWBIT_STREAM_WARPS", 0);
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
   const int64_t sms = cuda::num_sms();
   for (int w : {8, 4, 2}) {
-    const int64_t warps_per_wave = int64_t{stream_ctas_per_sm_max(w, rows)} * w * sms;
+    const int64_t warps_per_wave = int64_t{stream_ctas_per_sm_max(w, rows, tiles_per_warp)} * w * sms;
     if (tiles_k >= 4 * w && tiles * w <= 3 * warps_per_wave) return w;
   }
   return 1;
@@ -922,20 +976,27 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 // the tiles alone bring 10 warps or more per SM and fit the cap in 1.5
 // waves: 1024 x 32768, M = 1, 9.1 us on 2 warps per tile, 8.5 on one;
 // 1536 x 24576 10.2 on 2, 9.4 on one (v16).
-LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
+// With two W tiles per warp (tiles_per_warp 2) the same rules hold for
+// the tile pairs.
+LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_per_warp = 1) {
   constexpr int kSpreadWarpsPerSm = 16;
   const int64_t sms = cuda::num_sms();
+  const int64_t units = cuda::ceil_div(ntiles, tiles_per_warp);  // a CTA's W tiles (per K split)
   LinearPlan p{};
   p.path = LinearPath::kStream;
   p.mt = 1;
-  p.warps = ntiles >= 10 * sms && 2 * ntiles <= 3 * kSpreadWarpsPerSm * sms
+  p.stream_tiles = tiles_per_warp;
+  p.warps = units >= 10 * sms && 2 * units <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
-                : stream_warps_per_tile(ntiles, tiles_k, static_cast<int>(m));
+                : stream_warps_per_tile(units, tiles_k, static_cast<int>(m), tiles_per_warp);
   const int64_t splits =
-      ntiles >= sms ? 1 : std::min(cuda::ceil_div(sms, ntiles), std::max<int64_t>(1, tiles_k / p.warps));
+      units >= sms ? 1 : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
-  const int spread = kSpreadWarpsPerSm / p.warps;
-  const int64_t ctas = ntiles * p.splits;
+  // Two tiles per warp at 9..16 rows: the rings may hold fewer CTAs than
+  // 16 warps per SM (one tile per warp: they always hold that many).
+  const int spread =
+      std::min(kSpreadWarpsPerSm / p.warps, stream_ctas_per_sm_max(p.warps, static_cast<int>(m), tiles_per_warp));
+  const int64_t ctas = units * p.splits;
   if (ctas <= spread * sms)
     p.ctas_per_sm = static_cast<int>(cuda::ceil_div(ctas, sms));
   else if (2 * ctas <= 3 * spread * sms)
@@ -1009,6 +1070,33 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
   return ctas;
 }
 
+// Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
+// docs/PERF.md). They halve x's shared memory and L2 reads per W byte and
+// double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows they
+// beat the panel and wide kernels where the tile pairs need no K split and
+// run in one wave at what the rings hold (2048 x 7168: 7.8-9.4 -> 6.1-6.3
+// us; 1536 x 24576 at 9..12: 12.9-14.2 -> 11.0-11.2), and lost where they
+// do not (7168 x 18432 at 14..16, 4096-row shapes split in K: 10-40%). At
+// 5..8 rows they beat one warp per tile where such CTAs leave the SMs
+// short of 16 warps (1536 x 24576, 12 a SM: 9.8-10.1 -> 9.3-9.5 us), and
+// lost to the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
+// once) turns them off, or on at 5..16 rows wherever the stream kernel can
+// run, for probes.
+bool stream_tiles_pay(int64_t m, int64_t ntiles, int64_t tiles_k) {
+  static const int forced = env_int("LOWBIT_STREAM_TILES", 0);
+  if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
+  if (forced == 2) return true;
+  const int64_t sms = cuda::num_sms();
+  if (m <= kStreamMaxM) {
+    const LinearPlan one = stream_shape(m, ntiles, tiles_k);
+    return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
+  }
+  const LinearPlan two = stream_shape(m, ntiles, tiles_k, 2);
+  const int64_t pairs = cuda::ceil_div(ntiles, 2);
+  return pairs >= sms && two.splits == 1 &&
+         pairs <= int64_t{stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2)} * sms;
+}
+
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
@@ -1023,12 +1111,17 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // tiles per SM); measured in docs/PERF.md, Linear v9. Also for 1..4 rows
   // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
   // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
-  const LinearPlan stream_plan = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
+  // Two W tiles per warp at 5..16 rows where they pay (Linear v23).
+  const bool stream_tiles = stream_tiles_pay(m, ntiles, tiles_k);
+  const LinearPlan stream_plan = stream_tiles         ? stream_shape(m, ntiles, tiles_k, 2)
+                                 : m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k)
+                                                    : LinearPlan{};
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
-  const int64_t stream_k = m <= kStreamMaxM ? stream_k_ctas(m, ntiles, tiles_k, stream_plan.warps) : 0;
-  const bool stream = m <= kStreamMaxM && (stream_k > 0 || m > 4 || stream_spread ||
-                                           (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms));
+  const int64_t stream_k =
+      m <= kStreamMaxM && !stream_tiles ? stream_k_ctas(m, ntiles, tiles_k, stream_plan.warps) : 0;
+  const bool stream = stream_tiles || (m <= kStreamMaxM && (stream_k > 0 || m > 4 || stream_spread ||
+                                                            (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms)));
   // M 12..16: the panel kernel where its grid runs in one wave (Linear v15):
   // x crosses L2 once per 128 W rows and K chunk, not once per 16 W rows.
   // Longer K or more W tiles (the 71 MB shapes) stay on the wide kernel.
@@ -1045,7 +1138,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
                                                         : LinearPath::kUnpack;
   if (forced_path() >= 0) path = static_cast<LinearPath>(forced_path());
   p.path = path;
-  if (path == LinearPath::kStream && (m > kStreamMaxM || padded_k(k) > kStreamMaxPaddedK))
+  if (path == LinearPath::kStream &&
+      (m > (stream_tiles ? kStreamTilesMaxM : kStreamMaxM) || padded_k(k) > kStreamMaxPaddedK))
     p.path = path = LinearPath::kNarrow;
   if (path == LinearPath::kPanel && panel.splits == 0) p.path = path = LinearPath::kWide;  // M or K too large
   // The stream and narrow kernels put the 16-row W tiles on grid y, at most
@@ -1062,11 +1156,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       return p;
     }
     const int forced_cap = forced_stream_cap();
-    if (forced_cap > 0) p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m)));
-    // The roomy build where the plan holds an SM to 16 warps or fewer
-    // (prepared in session 26, not yet timed: off unless asked for).
-    static const bool roomy = env_int("LOWBIT_STREAM_ROOMY", 0) == 1;
-    p.stream_roomy = roomy && p.ctas_per_sm > 0 && p.ctas_per_sm * p.warps <= kRoomyWarpsPerSm;
+    if (forced_cap > 0)
+      p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m), p.stream_tiles));
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)

@@ -63,6 +63,11 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     unevenly on the SMs and K is long, the stream-K
 //                     form: one wave of CTAs on equal runs of k-tiles that
 //                     cross tiles, the pieces of a tile added in the kernel
+//   5 <= M <= 16      before the kernels below: the stream kernel with two
+//                     W tiles per warp (x read once for both) where the
+//                     pairs fill the SMs unsplit in one wave (9..16), or
+//                     where one warp per tile leaves SMs short of 16 warps
+//                     (5..8): stream_tiles_pay in nvfp4_gemm.cu
 //   kPanelMinM <= M <= kPanelMaxM
 //                     panel kernel, where its grid runs in one wave: 8 warps
 //                     on 128 W rows over one K chunk whose x rows sit in
@@ -90,6 +95,10 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 // environment (read once) forces a path for every M, for benchmarks (panel:
 // M <= 16 and K short enough for its chunks, else the wide kernel).
 constexpr int64_t kStreamMaxM = 8;
+// The stream kernel with two W tiles per warp (LinearPlan::stream_tiles):
+// 5..16 rows (Linear v23).
+constexpr int64_t kStreamTilesMinM = 5;
+constexpr int64_t kStreamTilesMaxM = 16;
 // The stream kernel counts k-tiles and columns in 32 bits (Linear v19): a
 // longer K (padded, plus the 32 k-tiles its copies run ahead) takes the
 // narrow kernel.
@@ -107,7 +116,7 @@ struct LinearPlan {
   int ctas_per_sm;           // stream: CTAs per SM the launch allows (0: as many as fit)
   int64_t stream_k_ctas;     // stream: CTAs of the stream-K kernel (runs of k-tiles across
                              // tiles), or 0: a CTA per W tile and K split
-  bool stream_roomy;         // stream (not stream-K): the build for 16 warps per SM (128 registers)
+  int stream_tiles;          // stream (not stream-K): W tiles per warp, 1 or 2 (a CTA per tile pair)
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
@@ -124,17 +133,19 @@ int one_wave_warps_per_tile(int64_t tiles);
 // `tiles` W tiles of tiles_k k-tiles and `rows` rows of x: the most of 8, 4,
 // 2 that leave every warp 4 k-tiles or more and fit in 3 waves (registers
 // and shared memory), else 1 (docs/PERF.md, Linear v9). The MoE uses it too.
-// LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
-int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows);
-// The most stream CTAs of `warps` warps one SM holds at `rows` rows of x:
-// registers (32 warps) and shared memory (rings, partial sums).
-int stream_ctas_per_sm_max(int warps, int rows);
+// tiles_per_warp 2: `tiles` counts tile pairs, each warp takes both of a
+// pair. LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
+int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp = 1);
+// The most stream CTAs of `warps` warps one SM holds at `rows` rows of x
+// and `tiles_per_warp` W tiles per warp: registers (32 warps; 16 with two
+// tiles) and shared memory (rings, partial sums).
+int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1);
 // LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
 // per SM, for probes (Linear v18 in docs/PERF.md). LOWBIT_STREAM_K=0|1 (read
 // once) turns the stream-K form off, or on at M <= 8 wherever it can run
-// (Linear v21). LOWBIT_STREAM_ROOMY=1 (read once) runs the stream kernel's
-// 128-register build where the plan holds an SM to 16 warps or fewer
-// (Linear v22, prepared, not yet timed).
+// (Linear v21). LOWBIT_STREAM_TILES=1|2 (read once) turns two W tiles per
+// warp off, or on at 5..16 rows wherever the stream kernel can run
+// (Linear v23, stream_tiles_pay in nvfp4_gemm.cu).
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

@@ -544,11 +544,21 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
 // pairs (lanes 0-15 and 16-31), a slot holding an even number of them, each
 // padded to 288 bytes so the 8-byte fragment reads of a half-warp (4 rows)
 // hit distinct banks.
+//
+// A warp may take two W tiles (kTiles, the stream kernel at 5..16 rows):
+// each stage then holds both tiles' k-tile and one copy of x, whose
+// fragments feed both tiles' MMAs, so x costs half the shared memory and
+// the L2 reads per W byte, and a warp keeps twice the W bytes in flight
+// (docs/PERF.md, Linear v23). Above 8 rows, x is two m-tiles (MT = 2).
 constexpr int kStreamStages = 3;
-constexpr int kStreamMaxRows = 8;
+constexpr int kStreamMaxRows = 8;       // one W tile per warp
+constexpr int kStreamTilesMaxRows = 16;  // two W tiles per warp
 constexpr int kStreamRowBytes = (kTileK + 16) * 2;  // a padded x row of a k-tile
-LOWBIT_HD constexpr int stream_stage_bytes(int rows) {
-  return kTileBytes + kTileScaleBytes + (rows + 1) / 2 * 2 * kStreamRowBytes;
+constexpr int kStreamWBytes = kTileBytes + kTileScaleBytes;  // a W k-tile in a stage: codes, then scales
+// 8-row m-tiles of x for a build of kPairs row pairs.
+template <int kPairs> constexpr int kStreamMtiles = kPairs > 4 ? 2 : 1;
+LOWBIT_HD constexpr int stream_stage_bytes(int rows, int tiles = 1) {
+  return tiles * kStreamWBytes + (rows + 1) / 2 * 2 * kStreamRowBytes;
 }
 // One W k-tile into the stage at shared address st: the 1 KB of codes from
 // wsrc (this lane's 16 bytes at lane * 16 and 512 + lane * 16), then the
@@ -558,8 +568,11 @@ __device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, cons
   cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
   if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
 }
-// Shared memory of one streaming warp's ring for `rows` rows of x.
-LOWBIT_HD constexpr int stream_warp_bytes(int rows) { return kStreamStages * stream_stage_bytes(rows); }
+// Shared memory of one streaming warp's ring for `rows` rows of x and
+// `tiles` W tiles.
+LOWBIT_HD constexpr int stream_warp_bytes(int rows, int tiles = 1) {
+  return kStreamStages * stream_stage_bytes(rows, tiles);
+}
 
 // The x copies of one k-tile into the stage at shared address st: pair j
 // from xp[j] (bytes: 16, or 0 to zero-fill columns past K); pairs up to
@@ -571,19 +584,34 @@ __device__ __forceinline__ void copy_x_ktile(uint32_t st, const T* const (&xp)[k
     if (j <= kPairs / 2 || j < pairs) cp_async16_ca(st + j * 2 * kStreamRowBytes, xp[j], bytes);
 }
 // The MMAs of the k-tile in the stage at st (generic address); xoff: this
-// lane's x fragment in a stage. The __syncwarp between the shared-memory
-// reads and the math lets the caller refill the stage next.
-template <typename T, bool kDecodePairs>
-__device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int lane, float (&acc)[1][4]) {
-  const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
-  const uint4 sc = reinterpret_cast<const uint4*>(st + kTileBytes)[lane / 4];
-  uint2 xv[8];
+// lane's x fragment in a stage (m-tile 0; xoff_hi: m-tile 1). acc: kTiles
+// W tiles' MT m-tiles, tile j's at acc[j MT ...]. The __syncwarp between
+// the shared-memory reads and the math lets the caller refill the stage
+// next.
+template <typename T, bool kDecodePairs, int kTiles = 1, int MT = 1>
+__device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int lane, float (&acc)[kTiles * MT][4],
+                                                 int xoff_hi = 0) {
+  uint4 w0[kTiles], w1[kTiles], sc[kTiles];
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) xv[kt] = *reinterpret_cast<const uint2*>(st + xoff + kt * 32);
+  for (int j = 0; j < kTiles; ++j) {
+    const uint4* tile = reinterpret_cast<const uint4*>(st + j * kStreamWBytes);
+    w0[j] = tile[lane];
+    w1[j] = tile[32 + lane];
+    sc[j] = tile[kTileBytes / 16 + lane / 4];
+  }
+  uint2 xv[MT][8];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) xv[mt][kt] = *reinterpret_cast<const uint2*>(st + (mt ? xoff_hi : xoff) + kt * 32);
   __syncwarp();
-  const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-  const uint32_t s[4] = {sc.x, sc.y, sc.z, sc.w};
-  mma_tile<T, 1, kDecodePairs>(w, s, [&](int, int kt) { return xv[kt]; }, acc);
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    const uint32_t w[8] = {w0[j].x, w0[j].y, w0[j].z, w0[j].w, w1[j].x, w1[j].y, w1[j].z, w1[j].w};
+    const uint32_t s[4] = {sc[j].x, sc[j].y, sc[j].z, sc[j].w};
+    mma_tile<T, MT, kDecodePairs>(w, s, [&](int mt, int kt) { return xv[mt][kt]; },
+                                  *reinterpret_cast<float(*)[MT][4]>(&acc[j * MT]));
+  }
 }
 
 // kPairs: the most row pairs the caller's x may have (rows <= 2 kPairs;
@@ -596,25 +624,34 @@ __device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int l
 // fragment reads below take row min(g, rows - 1)), so it needs no predicate.
 // Index: the type of the loop's k-tile and column counters; int32_t needs
 // padded K + 32 k-tiles below 2^31 (the Linear's kernel: Linear v19).
-// ring: this warp's stream_warp_bytes(rows) bytes (16-byte aligned).
-// Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (16 W rows
-// x 8 rows of x, mma C layout; rows past `rows` repeat the last one).
+// ring: this warp's stream_warp_bytes(rows, kTiles) bytes (16-byte aligned).
+// Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (per W
+// tile, MT m-tiles of 16 W rows x 8 rows of x, mma C layout; rows past
+// `rows` repeat the last one). kTiles: W tiles per warp, tile j at
+// wtiles / stiles + j tile_step k-tiles (tile_step 0: the caller's stand-in
+// for a tile past N, whose sums it drops).
 // Columns >= k are copied as zeros (the weight's padding codes are zero, and
 // 0 * stale data could be NaN). W bypasses L1 (read once); x goes through it
 // (every warp of the SM reads the same columns of x). Every address a copy
 // needs is kept running (one add per k-tile), so a k-tile costs the decode
 // and the mma and little else.
-template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false, typename Index = int64_t>
-__device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring, int rows,
+template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false, typename Index = int64_t,
+          int kTiles = 1, int MT = kStreamMtiles<kPairs>>
+__device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], uint4* ring, int rows,
                                                 const T* const (&xsrc)[kPairs],
                                                 const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
-                                                int64_t k, int64_t kc_begin, int64_t kc_end, int warp, int lane) {
+                                                int64_t k, int64_t kc_begin, int64_t kc_end, int warp, int lane,
+                                                int64_t tile_step = 0) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[0][i] = 0.f;
+  for (int a = 0; a < kTiles * MT; ++a)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[a][i] = 0.f;
   const int pairs = (rows + 1) / 2;  // warp-uniform
-  const uint32_t stage_bytes = stream_stage_bytes(rows);
+  const uint32_t stage_bytes = stream_stage_bytes(rows, kTiles);
   const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const uint32_t dst_x = kTileBytes + kTileScaleBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16;
+  const uint32_t dst_x = kTiles * kStreamWBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16;
+  // Bytes from one of the warp's W tiles to the next: codes, scales.
+  const int64_t wstep = tile_step * kTileBytes, sstep = tile_step * kTileScaleBytes;
   // The copy sources of k-tile kc_issue, advanced by kW k-tiles per issue.
   const Index kc_first = static_cast<Index>(kc_begin) + warp, kc_stop = static_cast<Index>(kc_end);
   const Index k_cols = static_cast<Index>(k);
@@ -631,7 +668,8 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
   auto issue = [&]() {
     if (kc_issue < kc_stop) {
       const uint32_t st = ring0 + slot_issue * stage_bytes;
-      copy_w_ktile(st, wsrc, ssrc, lane);
+#pragma unroll
+      for (int j = 0; j < kTiles; ++j) copy_w_ktile(st + j * kStreamWBytes, wsrc + j * wstep, ssrc + j * sstep, lane);
       copy_x_ktile<T, kPairs>(st + dst_x, xp, col < k_cols ? 16 : 0, pairs);
     }
     cp_async_commit();
@@ -646,7 +684,9 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
 #pragma unroll
   for (int i = 0; i < kStreamStages - 1; ++i) issue();
   const int g = lane / 4, t = lane % 4;
-  const int xoff = kTileBytes + kTileScaleBytes + min(g, rows - 1) * kStreamRowBytes + t * 8;  // bytes into a slot
+  // This lane's x fragments in a slot (bytes): m-tile 0, m-tile 1.
+  const int xoff = kTiles * kStreamWBytes + min(g, rows - 1) * kStreamRowBytes + t * 8;
+  const int xoff_hi = kTiles * kStreamWBytes + min(g + 8, rows - 1) * kStreamRowBytes + t * 8;
   int slot = 0;
   for (Index kc = kc_first; kc < kc_stop; kc += kW) {
     // Refill the slot the previous iteration read (every lane is past it:
@@ -654,7 +694,8 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[1][4], uint4* ring,
     issue();
     cp_async_wait<kStreamStages - 1>();  // this lane's copies of k-tile kc have landed
     __syncwarp();                        // and every lane's
-    stream_ktile_mma<T, kDecodePairs>(reinterpret_cast<const char*>(ring) + slot * stage_bytes, xoff, lane, acc);
+    stream_ktile_mma<T, kDecodePairs, kTiles, MT>(reinterpret_cast<const char*>(ring) + slot * stage_bytes, xoff, lane,
+                                                  acc, xoff_hi);
     slot = slot + 1 == kStreamStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
@@ -686,7 +727,7 @@ class StreamRunWarp {
       : ring_(reinterpret_cast<const char*>(ring)),
         ring0_(static_cast<uint32_t>(__cvta_generic_to_shared(ring))),
         stage_bytes_(stream_stage_bytes(rows)),
-        dst_x_(kTileBytes + kTileScaleBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16),
+        dst_x_(kStreamWBytes + (lane / 16) * kStreamRowBytes + (lane % 16) * 16),
         rows_(rows),
         pairs_((rows + 1) / 2),
         tiles_k_(tiles_k),
@@ -706,7 +747,7 @@ class StreamRunWarp {
   // Adds this warp's units down to `end` (>= bottom) into acc (16 W rows x
   // 8 rows of x, mma C layout; rows past `rows` repeat the last one).
   __device__ __forceinline__ void run(float (&acc)[1][4], int32_t end, int lane) {
-    const int xoff = kTileBytes + kTileScaleBytes + min(lane / 4, rows_ - 1) * kStreamRowBytes + (lane % 4) * 8;
+    const int xoff = kStreamWBytes + min(lane / 4, rows_ - 1) * kStreamRowBytes + (lane % 4) * 8;
     for (; next_ >= end; next_ -= kW) {
       // Into the slot the previous unit read (__syncwarp'ed past).
       issue(next_ - (kStreamStages - 1) * kW, lane);

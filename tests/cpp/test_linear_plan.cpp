@@ -55,12 +55,17 @@ TEST_F(LinearPlan, StreamKernelShapesOfTheSmallMTest) {
       EXPECT_EQ(p.warps, 4) << m;
     }
   }
-  // K = 2064 (17 k-tiles) on 1400 tiles: one warp per tile, 11 per SM, M 1..8.
+  // K = 2064 (17 k-tiles) on 1400 tiles: one warp per tile, 11 per SM, at
+  // M 1..4; at 5..8, where such SMs are short of 16 warps, two tiles per
+  // warp (Linear v23).
   for (int64_t m = 1; m <= 8; ++m) {
     const gemm::LinearPlan p = gemm::linear_plan(m, 1400 * kTileRows, 2064);
     EXPECT_EQ(p.path, LinearPath::kStream) << m;
-    EXPECT_EQ(p.warps, 1) << m;
-    EXPECT_EQ(p.ctas_per_sm, 11) << m;
+    EXPECT_EQ(p.stream_tiles, m <= 4 ? 1 : 2) << m;
+    if (m <= 4) {
+      EXPECT_EQ(p.warps, 1) << m;
+      EXPECT_EQ(p.ctas_per_sm, 11) << m;
+    }
   }
   // K = 4112 on 700 tiles: 8 stream warps per tile are too many for the
   // cap, so M 1..4 run the narrow kernel, 2 warps per tile.
@@ -119,6 +124,36 @@ TEST_F(LinearPlan, StreamKWhereWholeTilesSitUnevenly) {
   EXPECT_EQ(gemm::linear_plan(9, 7168, 18432).stream_k_ctas, 0);
 }
 
+TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
+  // Linear v23: 2048 x 7168 (224 tile pairs of 16 k-tiles) at 9..11 rows:
+  // one wave of 4-warp CTAs (the rings hold 3 a SM), K unsplit.
+  for (int64_t m = 9; m <= 11; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 7168, 2048);
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.stream_tiles, 2) << m;
+    EXPECT_EQ(p.warps, 4) << m;
+    EXPECT_EQ(p.splits, 1) << m;
+    EXPECT_EQ(p.workspace_bytes, 0) << m;
+  }
+  // 1536 x 24576 at 5..8 rows: one warp per tile would sit 12 a SM; the 768
+  // pairs take 2 warps each, 6 CTAs a SM.
+  for (int64_t m = 5; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 24576, 1536);
+    EXPECT_EQ(p.stream_tiles, 2) << m;
+    EXPECT_EQ(p.warps, 2) << m;
+    EXPECT_EQ(p.ctas_per_sm, 6) << m;
+    EXPECT_EQ(gemm::linear_plan(m - 4, 24576, 1536).stream_tiles, 1) << m;  // no pair build below 5 rows
+  }
+  // Not where one warp per tile fills 16 a SM (1024 x 32768), the pairs
+  // need a K split (128 pairs on 4096-row shapes) or more than a wave
+  // (7168 x 18432 at 9 rows: 576 pairs, 396 slots), nor at M = 8 where the
+  // one-tile plan runs several warps per tile (2048 x 7168).
+  EXPECT_EQ(gemm::linear_plan(8, 32768, 1024).stream_tiles, 1);
+  EXPECT_EQ(gemm::linear_plan(8, 7168, 2048).stream_tiles, 1);
+  EXPECT_NE(gemm::linear_plan(9, 4096, 8192).path, LinearPath::kStream);
+  EXPECT_NE(gemm::linear_plan(9, 18432, 7168).path, LinearPath::kStream);
+}
+
 TEST_F(LinearPlan, StreamCtasPerSm) {
   // Shared memory bounds 8-warp CTAs (rings of 1, 2 and 4 x row pairs) at
   // 4, 3 and 2 per SM; 4-warp CTAs at one row by registers, 8.
@@ -126,6 +161,11 @@ TEST_F(LinearPlan, StreamCtasPerSm) {
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 3), 3);
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 8), 2);
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 1), 8);
+  // Two tiles per warp: 16 warps at most (registers); the 20.3 KB rings of
+  // 16 rows hold one 8-warp or two 4-warp CTAs, those of 8 rows four.
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(8, 16, 2), 1);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 16, 2), 2);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 8, 2), 4);
 }
 
 TEST_F(LinearPlan, KTooLongForTheStreamCountersRunsTheNarrowKernel) {

@@ -520,6 +520,24 @@ torch.save(outs, sys.argv[2])
 """
 
 
+def _check_stream_runs(tmp_path, seed, shapes, ms, knob_sets):
+    """Every case of _small_m_cases(shapes, ms) in one fresh process per knob
+    set: each output against the reference, repeatable, and bit for bit the
+    first knob set's (the later sets must change no product nor the order
+    of the sums)."""
+    gen = torch.Generator().manual_seed(seed)
+    cases, wants = _small_m_cases(gen, shapes, ms)
+    torch.save(cases, tmp_path / "cases.pt")
+    first = None
+    for i, knobs in enumerate(knob_sets):
+        runs = _outputs_in_fresh_process(_STREAM_OUTPUTS, tmp_path, i, **knobs)
+        first = runs if first is None else first
+        for (x, pw, *_), want, (y, again), (y_first, _) in zip(cases, wants, runs, first):
+            assert rel_err(y, want) <= REL_TOL, (knobs, x.shape, pw.shape, x.dtype)
+            assert torch.equal(y, again), (knobs, x.shape, pw.shape, x.dtype)
+            assert torch.equal(y, y_first), (knobs, x.shape, pw.shape, x.dtype)
+
+
 @cuda
 def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # The stream kernel is built for 1, 2 and 4 pairs of x rows (M <= 2,
@@ -528,23 +546,25 @@ def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
     # counts), K split through partials (few tiles), a partial last k-tile
     # and odd M (the last pair's second row, past M, is copied from a valid
     # row and never read: Linear v20), in bf16 and fp16. Then again with a
-    # forced cap (3 CTAs per SM, the probes' knob), and with the 128-register
-    # build where the plan holds an SM to 16 warps (Linear v22), which change
-    # no product nor the order of the sums, so they must give the first
-    # run's outputs bit for bit.
-    gen = torch.Generator().manual_seed(21)
+    # forced cap (3 CTAs per SM, the probes' knob).
     shapes = [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]
-    cases, wants = _small_m_cases(gen, shapes, (1, 2, 3, 4, 5, 7, 8))
-    torch.save(cases, tmp_path / "cases.pt")
-    knobs = [{}, {"LOWBIT_STREAM_CTAS_PER_SM": "3"}, {"LOWBIT_STREAM_ROOMY": "1"}]
-    first = None
-    for i, extra in enumerate(knobs):
-        runs = _outputs_in_fresh_process(_STREAM_OUTPUTS, tmp_path, i, LOWBIT_LINEAR_PATH="stream", **extra)
-        first = runs if first is None else first
-        for (x, pw, *_), want, (y, again), (y_first, _) in zip(cases, wants, runs, first):
-            assert rel_err(y, want) <= REL_TOL, (extra, x.shape, pw.shape, x.dtype)
-            assert torch.equal(y, again), (extra, x.shape, pw.shape, x.dtype)
-            assert torch.equal(y, y_first), (extra, x.shape, pw.shape, x.dtype)
+    stream = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "1"}
+    _check_stream_runs(tmp_path, 21, shapes, (1, 2, 3, 4, 5, 7, 8),
+                       [stream, dict(stream, LOWBIT_STREAM_CTAS_PER_SM="3")])
+
+
+@cuda
+def test_cuda_stream_kernel_two_tiles_per_warp(tmp_path):
+    # The stream kernel with two W tiles per warp (Linear v23), forced at
+    # 5..16 rows: its 4-pair (M <= 8) and 8-pair builds (two m-tiles of x),
+    # odd tile counts (the last warp's second tile a stand-in that is read
+    # but never stored), K split through partials (65 tiles), one warp per
+    # tile pair (1354 pairs), a partial last k-tile, odd M with a bias, bf16
+    # and fp16. Then again capped at one CTA per SM.
+    shapes = [(48, 400), (1040, 2176), (16 * 2707, 400), (16 * 1152, 1168), (4096, 7168)]
+    pairs = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "2"}
+    _check_stream_runs(tmp_path, 23, shapes, (5, 7, 8, 9, 12, 13, 16),
+                       [pairs, dict(pairs, LOWBIT_STREAM_CTAS_PER_SM="1")])
 
 
 # Each case eagerly twice, then captured in a CUDA graph and replayed three
