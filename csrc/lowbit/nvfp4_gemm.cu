@@ -1081,18 +1081,14 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
 // short of 16 warps (1536 x 24576, 12 a SM: 9.8-10.1 -> 9.3-9.5 us), and
 // lost to the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
 // once) turns them off, or on at 5..16 rows wherever the stream kernel can
-// run, for probes.
-bool stream_tiles_pay(int64_t m, int64_t ntiles, int64_t tiles_k) {
+// run, for probes. one / two: stream_shape's plans with one and two tiles
+// per warp (one: M <= 8 only).
+bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const LinearPlan& two) {
   static const int forced = env_int("LOWBIT_STREAM_TILES", 0);
   if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
   if (forced == 2) return true;
-  const int64_t sms = cuda::num_sms();
-  if (m <= kStreamMaxM) {
-    const LinearPlan one = stream_shape(m, ntiles, tiles_k);
-    return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
-  }
-  const LinearPlan two = stream_shape(m, ntiles, tiles_k, 2);
-  const int64_t pairs = cuda::ceil_div(ntiles, 2);
+  if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
+  const int64_t sms = cuda::num_sms(), pairs = cuda::ceil_div(ntiles, 2);
   return pairs >= sms && two.splits == 1 &&
          pairs <= int64_t{stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2)} * sms;
 }
@@ -1112,10 +1108,11 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
   // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
   // Two W tiles per warp at 5..16 rows where they pay (Linear v23).
-  const bool stream_tiles = stream_tiles_pay(m, ntiles, tiles_k);
-  const LinearPlan stream_plan = stream_tiles         ? stream_shape(m, ntiles, tiles_k, 2)
-                                 : m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k)
-                                                    : LinearPlan{};
+  const LinearPlan stream_one = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
+  const LinearPlan stream_two =
+      m >= kStreamTilesMinM && m <= kStreamTilesMaxM ? stream_shape(m, ntiles, tiles_k, 2) : LinearPlan{};
+  const bool stream_tiles = stream_tiles_pay(m, ntiles, stream_one, stream_two);
+  const LinearPlan& stream_plan = stream_tiles ? stream_two : stream_one;
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
   const int64_t stream_k =

@@ -811,7 +811,7 @@ class StreamRunWarp {
 // barrier in the loop, and x crosses L2 once per 128 W rows and chunk.
 constexpr int kPanelWarps = 8;
 constexpr int kPanelStages = 4;
-constexpr int kPanelStageBytes = kTileBytes + kTileScaleBytes;  // a W k-tile: codes, then scales
+constexpr int kPanelStageBytes = kStreamWBytes;  // a W k-tile: codes, then scales
 constexpr int kPanelMaxChunk = 16;                              // k-tiles of x a CTA holds
 // x of a k-tile as its tensor copy leaves it: 8 MT rows of kStreamRowBytes
 // (the k-tile's 128 columns and the next 16, which nothing reads: padded
