@@ -1049,25 +1049,35 @@ int forced_stream_cap() {
 
 // The stream-K kernel's CTAs (0: the stream kernel's whole tiles), W warps
 // each, one wave of 16 warps per SM (or fewer: LOWBIT_STREAM_CTAS_PER_SM).
-// It can run where W <= tiles_k and the units fit its 32-bit counters; it
-// does where whole tiles would sit 10% or more unevenly on the SMs (the
-// busiest SM's tiles against the average) and the runs are 128 units or
-// longer, so that the even runs repay the pieces' adds (Linear v21 in
-// docs/PERF.md: 18432 x 7168 ran 10% faster at M = 1-4 and 1% at 8, the
-// bench's shapes of shorter runs 20-65% slower, the even 7168 x 18432 0-4%).
+// It can run where W <= tiles_k and the units fit its 32-bit counters. It
+// does where whole tiles would sit unevenly on the SMs and the runs are
+// long enough to repay the pieces' adds:
+//   - 10% or more unevenly (the busiest SM's tiles against the average),
+//     runs of 128 units or more (Linear v21 in docs/PERF.md: 18432 x 7168
+//     ran 10% faster at M = 1-4 and 1% at 8, the bench's shapes of shorter
+//     runs 20-65% slower, the even 7168 x 18432 0-4%);
+//   - at 5..8 rows, where the one-tile plan (`one`) runs CTAs of 4 or 8
+//     warps uncapped and they take more than one wave at what an SM holds
+//     (rings of 10 KB a warp: 16-24 warps a SM), runs of 96 units or more
+//     (Linear v24 in docs/PERF.md: 7168 x 18432 at M = 8, 122-unit runs,
+//     3-5% faster in three sessions; six other such shapes -3% to +8%,
+//     +2% on average; with CTAs of 1-2 warps, 7168 x 65536, 6-7% slower).
 // LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
 // run, for probes.
-int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, int warps) {
+int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one) {
   static const int forced = env_int("LOWBIT_STREAM_K", -1);
   const int forced_cap = forced_stream_cap();
+  const int warps = one.warps;
   const int64_t units = ntiles * tiles_k, sms = cuda::num_sms();
   if (forced == 0 || m < 1 || m > kStreamMaxM || warps > tiles_k || units > (int64_t{1} << 30)) return 0;
   const int most = std::min(stream_ctas_per_sm_max(warps, static_cast<int>(m)), kStreamKWarpsPerSm / warps);
   const int per_sm = forced_cap > 0 ? std::min(most, forced_cap) : most;
   const int64_t ctas = std::min(units, int64_t{per_sm} * sms);
   const bool uneven = 10 * cuda::ceil_div(ntiles, sms) * sms >= 11 * ntiles;
-  if (forced != 1 && (!uneven || units < 128 * ctas)) return 0;
-  return ctas;
+  const bool past_a_wave = m > 4 && warps >= 4 && one.splits == 1 && one.ctas_per_sm == 0 &&
+                           ntiles > int64_t{stream_ctas_per_sm_max(warps, static_cast<int>(m))} * sms;
+  if (forced == 1 || (uneven && units >= 128 * ctas) || (past_a_wave && units >= 96 * ctas)) return ctas;
+  return 0;
 }
 
 // Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
@@ -1116,7 +1126,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
   const int64_t stream_k =
-      m <= kStreamMaxM && !stream_tiles ? stream_k_ctas(m, ntiles, tiles_k, stream_plan.warps) : 0;
+      m <= kStreamMaxM && !stream_tiles ? stream_k_ctas(m, ntiles, tiles_k, stream_plan) : 0;
   const bool stream = stream_tiles || (m <= kStreamMaxM && (stream_k > 0 || m > 4 || stream_spread ||
                                                             (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms)));
   // M 12..16: the panel kernel where its grid runs in one wave (Linear v15):

@@ -60,9 +60,11 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     to that (M <= 4: only where the narrow kernel needs
 //                     several waves, or where such a capped grid brings 10
 //                     warps or more per SM). Where whole tiles would sit
-//                     unevenly on the SMs and K is long, the stream-K
-//                     form: one wave of CTAs on equal runs of k-tiles that
-//                     cross tiles, the pieces of a tile added in the kernel
+//                     unevenly on the SMs and K is long, or at 5..8 rows
+//                     where CTAs of 4-8 warps take more than a wave, the
+//                     stream-K form: one wave of CTAs on equal runs of
+//                     k-tiles that cross tiles, the pieces of a tile added
+//                     in the kernel
 //   5 <= M <= 16      before the kernels below: the stream kernel with two
 //                     W tiles per warp (x read once for both) where the
 //                     pairs fill the SMs unsplit in one wave (9..16), or

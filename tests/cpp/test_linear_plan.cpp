@@ -114,14 +114,44 @@ TEST_F(LinearPlan, StreamKWhereWholeTilesSitUnevenly) {
     EXPECT_EQ(p.splits, 1) << m;
     EXPECT_EQ(p.workspace_bytes, 264 * (16 * 8 * int64_t{sizeof(float)} + 8)) << m;
   }
-  // Not where whole tiles sit evenly (7168 x 18432: 8.7 a SM, 9 on the
-  // busiest), nor on short runs (2048 x 7168: uneven, but 27 units a CTA),
-  // nor past M = 8.
-  for (int64_t m : {1, 4, 8}) {
-    EXPECT_EQ(gemm::linear_plan(m, 18432, 7168).stream_k_ctas, 0) << m;
-    EXPECT_EQ(gemm::linear_plan(m, 7168, 2048).stream_k_ctas, 0) << m;
-  }
+  // Not on short runs (2048 x 7168: uneven, but 27 units a CTA), nor past
+  // M = 8.
+  for (int64_t m : {1, 4, 8}) EXPECT_EQ(gemm::linear_plan(m, 7168, 2048).stream_k_ctas, 0) << m;
   EXPECT_EQ(gemm::linear_plan(9, 7168, 18432).stream_k_ctas, 0);
+}
+
+TEST_F(LinearPlan, StreamKWhereTheOneTileGridSpansMoreThanAWave) {
+  // Linear v24: 7168 x 18432 (1152 tiles of 56 k-tiles) sits evenly (8.7 a
+  // SM, 9 on the busiest). At M 1..4 its 8-warp CTAs run uncapped up to 32
+  // warps a SM, whole tiles. At 7..8 rows, 4-warp CTAs of 10 KB rings a warp
+  // hold 5 a SM: 1.75 waves, so stream-K (4 a SM, 122 units each); at 5..6,
+  // 8-warp CTAs, 264 of 244 units.
+  for (int64_t m = 1; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 18432, 7168);
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.splits, 1) << m;
+    if (m <= 4) {
+      EXPECT_EQ(p.stream_k_ctas, 0) << m;
+      EXPECT_EQ(p.ctas_per_sm, 0) << m;
+    } else {
+      EXPECT_EQ(p.warps, m <= 6 ? 8 : 4) << m;
+      EXPECT_EQ(p.stream_k_ctas, m <= 6 ? 264 : 528) << m;
+    }
+  }
+  // Not where the one-tile grid fits a wave (8192 x 4096: 256 CTAs of 8
+  // warps, 2 a SM), nor on CTAs of 1-2 warps (7168 x 65536, which lost
+  // 6-7%), nor on runs under 96 units (4096 x 14336 at 7..8 rows: 4-warp
+  // CTAs in 1.4 waves, 54 units a run).
+  for (int64_t m = 5; m <= 8; ++m) {
+    EXPECT_EQ(gemm::linear_plan(m, 4096, 8192).stream_k_ctas, 0) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 65536, 7168).stream_k_ctas, 0) << m;
+  }
+  for (int64_t m = 7; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 14336, 4096);
+    EXPECT_EQ(p.warps, 4) << m;
+    EXPECT_EQ(p.ctas_per_sm, 0) << m;
+    EXPECT_EQ(p.stream_k_ctas, 0) << m;
+  }
 }
 
 TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
