@@ -1058,7 +1058,7 @@ int forced_stream_cap() {
 //     runs 20-65% slower, the even 7168 x 18432 0-4%);
 //   - at 5..8 rows, where the one-tile plan (`one`) runs CTAs of 4 or 8
 //     warps uncapped and they take more than one wave at what an SM holds
-//     (rings of 10 KB a warp: 16-24 warps a SM), runs of 96 units or more
+//     (rings of 9-10 KB a warp: 16-24 warps a SM), runs of 96 units or more
 //     (Linear v24 in docs/PERF.md: 7168 x 18432 at M = 8, 122-unit runs,
 //     3-5% faster in three sessions; six other such shapes -3% to +8%,
 //     +2% on average; with CTAs of 1-2 warps, 7168 x 65536, 6-7% slower).
