@@ -211,7 +211,7 @@ __device__ __forceinline__ void stream_tiles_finish(const float (&acc)[kTiles * 
                                                     int64_t m, int64_t n, const float* global_scale, const T* bias,
                                                     T* out, float* workspace) {
   using Partials = mma::CtaPartials<kTiles * MT, W>;
-  static_assert(sizeof(Partials) <= W * mma::stream_warp_bytes(1, kTiles), "the partial sums fit in the rings");
+  static_assert(sizeof(Partials) <= W * mma::stream_warp_bytes(1, kTiles, 2), "the partial sums fit in the rings");
   __syncthreads();  // every warp is past its ring
   Partials& partial = *static_cast<Partials*>(smem);
   partial.store(acc, threadIdx.x / 32, threadIdx.x % 32);
@@ -254,8 +254,9 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 // warp, built for 32 warps per SM: the 128-register build for plans that
 // hold an SM to 16 warps ran no faster (Linear v22). kTiles = 2: a warp
 // takes W tiles 2 y and 2 y + 1 (the second a stand-in for the first past
-// N), M <= 2 kPairs <= 16 (Linear v23).
-template <typename T, int W, int kPairs, int kTiles>
+// N), M <= 2 kPairs <= 16 (Linear v23). kStages: ring slots per warp
+// (Linear v25).
+template <typename T, int W, int kPairs, int kTiles, int kStages>
 __global__ void __launch_bounds__(32 * W, stream_warps_per_sm(kTiles) / W) linear_stream_kernel(
     const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
     const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(32 * W, stream_warps_per_sm(kTiles) / W) linea
   const int64_t nt0 = int64_t(blockIdx.y) * kTiles;
   const int tile_rows = static_cast<int>(min(int64_t{kTiles}, n / kTileN - nt0));
   const SplitRun run =
-      begin_split_run(weight, scale, k, tiles_per_split, (mma::kStreamStages - 1) * W, nt0, tile_rows);
+      begin_split_run(weight, scale, k, tiles_per_split, (kStages - 1) * W, nt0, tile_rows);
 
   const int rows = static_cast<int>(m);
   const T* xsrc[kPairs];
@@ -273,10 +274,10 @@ __global__ void __launch_bounds__(32 * W, stream_warps_per_sm(kTiles) / W) linea
   for (int j = 0; j < kPairs; ++j) xsrc[j] = x + min(lane / 16 + 2 * j, rows - 1) * k + (lane % 16) * 8;
   extern __shared__ uint4 stream_ring[];
   float acc[kTiles * MT][4];
-  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows, kTiles) / 16);
+  uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows, kTiles, kStages) / 16);
   const int64_t tile_step = tile_rows > 1 ? padded_k(k) / kTileK : 0;
-  mma::stream_mainloop<T, W, kPairs, true, int32_t, kTiles>(acc, ring, rows, xsrc, run.codes, run.scales, k,
-                                                            run.kc_begin, run.kc_end, warp, lane, tile_step);
+  mma::stream_mainloop<T, W, kPairs, true, int32_t, kTiles, MT, kStages>(
+      acc, ring, rows, xsrc, run.codes, run.scales, k, run.kc_begin, run.kc_end, warp, lane, tile_step);
   if constexpr (kTiles == 1)
     narrow_finish<T, 1, W>(acc, 0, run.nt, m, n, global_scale, bias, out, workspace);
   else
@@ -776,8 +777,9 @@ StreamKRuns stream_k_runs(const LinearArgs& a, const LinearPlan& p) {
 template <typename T, int W, int kPairs, int kTiles>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
+  const int stages = p.stream_k_ctas == 0 && p.stream_stages == 2 ? 2 : mma::kStreamStages;
   const int smem =
-      cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), kTiles), p.ctas_per_sm);
+      cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), kTiles, stages), p.ctas_per_sm);
   if constexpr (kTiles == 1) {  // stream-K: one tile per warp only
     if (p.stream_k_ctas > 0) {
       cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
@@ -788,7 +790,8 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
                                     static_cast<float*>(a.workspace), a.m, a.n, a.k, stream_k_runs(a, p));
     }
   }
-  auto* kernel = linear_stream_kernel<T, W, kPairs, kTiles>;
+  auto* kernel = stages == 2 ? linear_stream_kernel<T, W, kPairs, kTiles, 2>
+                             : linear_stream_kernel<T, W, kPairs, kTiles, mma::kStreamStages>;
   cudaError_t err = cuda::allow_dynamic_smem(kernel, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(1, static_cast<unsigned>(cuda::ceil_div(a.n / kTileN, kTiles)), static_cast<unsigned>(p.splits));
@@ -909,11 +912,12 @@ int one_wave_warps_per_tile(int64_t tiles) {
   return 0;
 }
 
-int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp) {
+static_assert(kStreamRingSlots == mma::kStreamStages, "one count of ring slots");
+int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp, int stages) {
   // A CTA: its rings, its partial sums (static with one tile per warp, in
   // the rings with two), and the 1 KB the system reserves.
   const int partials = tiles_per_warp == 1 ? 512 : 0;
-  const int64_t cta_bytes = warps * (mma::stream_warp_bytes(rows, tiles_per_warp) + partials) + 1024;
+  const int64_t cta_bytes = warps * (mma::stream_warp_bytes(rows, tiles_per_warp, stages) + partials) + 1024;
   return static_cast<int>(
       std::min<int64_t>(stream_warps_per_sm(tiles_per_warp) / warps, cuda::smem_per_sm() / cta_bytes));
 }
@@ -963,6 +967,20 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
   return clusters * splits;
 }
 
+// Ring slots per stream warp for runs of `run` k-tiles: 2 (one copy in
+// flight while one k-tile is computed) for runs of 6 or fewer, else 3.
+// Measured in docs/PERF.md, Linear v25: with 2, 4096 x 4096 at M = 1-8
+// (runs of 4) 4-9% faster (M = 8: 5.6 -> 5.1-5.2 us) and 2048 x 7168 (4)
+// 0-6%, but 8192 x 4096 at M = 4-8 (8) and 7168 x 18432 at M = 4 (7) 4%
+// slower. Fewer slots also let more two-tile CTAs fit (1536 x 24576 at
+// M = 16, runs of 6: 12.5 -> 10.9 us). LOWBIT_STREAM_STAGES=2|3 (read
+// once) forces it.
+int stream_stages(int64_t run) {
+  static const int forced = env_int("LOWBIT_STREAM_STAGES", 0);
+  if (forced == 2 || forced == 3) return forced;
+  return run <= 6 ? 2 : 3;
+}
+
 // The stream kernel's shape: warps per tile, and K split as the narrow
 // kernel's when the tiles are fewer than the SMs. Its CTAs are capped per
 // SM: left to fill SMs up to what their rings allow (32 warps at 1-4 rows,
@@ -992,10 +1010,12 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
   const int64_t splits =
       units >= sms ? 1 : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
+  p.stream_stages = stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps));
   // Two tiles per warp at 9..16 rows: the rings may hold fewer CTAs than
   // 16 warps per SM (one tile per warp: they always hold that many).
   const int spread =
-      std::min(kSpreadWarpsPerSm / p.warps, stream_ctas_per_sm_max(p.warps, static_cast<int>(m), tiles_per_warp));
+      std::min(kSpreadWarpsPerSm / p.warps,
+               stream_ctas_per_sm_max(p.warps, static_cast<int>(m), tiles_per_warp, p.stream_stages));
   const int64_t ctas = units * p.splits;
   if (ctas <= spread * sms)
     p.ctas_per_sm = static_cast<int>(cuda::ceil_div(ctas, sms));
@@ -1100,7 +1120,7 @@ bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const Li
   if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
   const int64_t sms = cuda::num_sms(), pairs = cuda::ceil_div(ntiles, 2);
   return pairs >= sms && two.splits == 1 &&
-         pairs <= int64_t{stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2)} * sms;
+         pairs <= int64_t{stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2, two.stream_stages)} * sms;
 }
 
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
@@ -1157,6 +1177,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     p = stream_plan;
     if (stream_k > 0) {
       p.splits = 1;
+      p.stream_stages = mma::kStreamStages;  // its kernel's rings (runs of 96 units or more)
       p.ctas_per_sm = static_cast<int>(cuda::ceil_div(stream_k, sms));
       p.stream_k_ctas = stream_k;
       p.workspace_bytes = stream_k_workspace_bytes(stream_k);
@@ -1164,7 +1185,8 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     }
     const int forced_cap = forced_stream_cap();
     if (forced_cap > 0)
-      p.ctas_per_sm = std::min(forced_cap, stream_ctas_per_sm_max(p.warps, static_cast<int>(m), p.stream_tiles));
+      p.ctas_per_sm = std::min(forced_cap,
+                               stream_ctas_per_sm_max(p.warps, static_cast<int>(m), p.stream_tiles, p.stream_stages));
   } else if (path == LinearPath::kNarrow) {
     p.mt = m <= 8 ? 1 : 2;
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)

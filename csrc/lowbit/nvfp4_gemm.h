@@ -55,7 +55,8 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 // the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):
 //   M <= kStreamMaxM  stream kernel: 1-8 warps per 16-row W tile, each
 //                     streaming its k-tiles (W and x) through a cp.async
-//                     ring in shared memory; split-K as the narrow kernel;
+//                     ring in shared memory (2 slots for runs of 6 k-tiles
+//                     or fewer, else 3); split-K as the narrow kernel;
 //                     grids of at most 1.5 waves at 16 warps per SM held
 //                     to that (M <= 4: only where the narrow kernel needs
 //                     several waves, or where such a capped grid brings 10
@@ -119,6 +120,7 @@ struct LinearPlan {
   int64_t stream_k_ctas;     // stream: CTAs of the stream-K kernel (runs of k-tiles across
                              // tiles), or 0: a CTA per W tile and K split
   int stream_tiles;          // stream (not stream-K): W tiles per warp, 1 or 2 (a CTA per tile pair)
+  int stream_stages;         // stream: slots of a warp's ring, 2 or kStreamRingSlots (stream-K: always that)
   int64_t splits;            // K splits (stream / narrow / wide: FP32 partials added in split order;
                              // wgmma: cluster size)
   int64_t workspace_bytes;   // device workspace the launch needs
@@ -138,16 +140,19 @@ int one_wave_warps_per_tile(int64_t tiles);
 // tiles_per_warp 2: `tiles` counts tile pairs, each warp takes both of a
 // pair. LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp = 1);
-// The most stream CTAs of `warps` warps one SM holds at `rows` rows of x
-// and `tiles_per_warp` W tiles per warp: registers (32 warps; 16 with two
-// tiles) and shared memory (rings, partial sums).
-int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1);
+// The most stream CTAs of `warps` warps one SM holds at `rows` rows of x,
+// `tiles_per_warp` W tiles per warp and rings of `stages` slots: registers
+// (32 warps; 16 with two tiles) and shared memory (rings, partial sums).
+constexpr int kStreamRingSlots = 3;
+int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1, int stages = kStreamRingSlots);
 // LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
 // per SM, for probes (Linear v18 in docs/PERF.md). LOWBIT_STREAM_K=0|1 (read
 // once) turns the stream-K form off, or on at M <= 8 wherever it can run
 // (Linear v21). LOWBIT_STREAM_TILES=1|2 (read once) turns two W tiles per
 // warp off, or on at 5..16 rows wherever the stream kernel can run
-// (Linear v23, stream_tiles_pay in nvfp4_gemm.cu).
+// (Linear v23, stream_tiles_pay in nvfp4_gemm.cu). LOWBIT_STREAM_STAGES=2|3
+// (read once) sets the stream kernel's ring slots (Linear v25,
+// stream_stages in nvfp4_gemm.cu).
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

@@ -550,6 +550,8 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
 // fragments feed both tiles' MMAs, so x costs half the shared memory and
 // the L2 reads per W byte, and a warp keeps twice the W bytes in flight
 // (docs/PERF.md, Linear v23). Above 8 rows, x is two m-tiles (MT = 2).
+// A ring has kStreamStages slots, or 2 where the plan gives each warp a
+// short run of k-tiles (kStages; Linear v25).
 constexpr int kStreamStages = 3;
 constexpr int kStreamMaxRows = 8;       // one W tile per warp
 constexpr int kStreamTilesMaxRows = 16;  // two W tiles per warp
@@ -568,10 +570,10 @@ __device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, cons
   cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
   if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
 }
-// Shared memory of one streaming warp's ring for `rows` rows of x and
-// `tiles` W tiles.
-LOWBIT_HD constexpr int stream_warp_bytes(int rows, int tiles = 1) {
-  return kStreamStages * stream_stage_bytes(rows, tiles);
+// Shared memory of one streaming warp's ring of `stages` slots for `rows`
+// rows of x and `tiles` W tiles.
+LOWBIT_HD constexpr int stream_warp_bytes(int rows, int tiles = 1, int stages = kStreamStages) {
+  return stages * stream_stage_bytes(rows, tiles);
 }
 
 // The x copies of one k-tile into the stage at shared address st: pair j
@@ -624,7 +626,8 @@ __device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int l
 // fragment reads below take row min(g, rows - 1)), so it needs no predicate.
 // Index: the type of the loop's k-tile and column counters; int32_t needs
 // padded K + 32 k-tiles below 2^31 (the Linear's kernel: Linear v19).
-// ring: this warp's stream_warp_bytes(rows, kTiles) bytes (16-byte aligned).
+// ring: this warp's stream_warp_bytes(rows, kTiles, kStages) bytes (16-byte
+// aligned), kStages - 1 k-tiles' copies in flight while one is computed.
 // Sums k-tiles kc_begin + warp, + kW, ... below kc_end into acc (per W
 // tile, MT m-tiles of 16 W rows x 8 rows of x, mma C layout; rows past
 // `rows` repeat the last one). kTiles: W tiles per warp, tile j at
@@ -636,7 +639,7 @@ __device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int l
 // needs is kept running (one add per k-tile), so a k-tile costs the decode
 // and the mma and little else.
 template <typename T, int kW, int kPairs = kStreamMaxRows / 2, bool kDecodePairs = false, typename Index = int64_t,
-          int kTiles = 1, int MT = kStreamMtiles<kPairs>>
+          int kTiles = 1, int MT = kStreamMtiles<kPairs>, int kStages = kStreamStages>
 __device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], uint4* ring, int rows,
                                                 const T* const (&xsrc)[kPairs],
                                                 const uint4* __restrict__ wtiles, const uint4* __restrict__ stiles,
@@ -679,10 +682,10 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], ui
 #pragma unroll
     for (int j = 0; j < kPairs; ++j) xp[j] += kW * kTileK;
     col += kW * kTileK;
-    slot_issue = slot_issue + 1 == kStreamStages ? 0 : slot_issue + 1;
+    slot_issue = slot_issue + 1 == kStages ? 0 : slot_issue + 1;
   };
 #pragma unroll
-  for (int i = 0; i < kStreamStages - 1; ++i) issue();
+  for (int i = 0; i < kStages - 1; ++i) issue();
   const int g = lane / 4, t = lane % 4;
   // This lane's x fragments in a slot (bytes): m-tile 0, m-tile 1.
   const int xoff = kTiles * kStreamWBytes + min(g, rows - 1) * kStreamRowBytes + t * 8;
@@ -692,11 +695,11 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], ui
     // Refill the slot the previous iteration read (every lane is past it:
     // the __syncwarp below ordered its reads before this point).
     issue();
-    cp_async_wait<kStreamStages - 1>();  // this lane's copies of k-tile kc have landed
-    __syncwarp();                        // and every lane's
+    cp_async_wait<kStages - 1>();  // this lane's copies of k-tile kc have landed
+    __syncwarp();                  // and every lane's
     stream_ktile_mma<T, kDecodePairs, kTiles, MT>(reinterpret_cast<const char*>(ring) + slot * stage_bytes, xoff, lane,
                                                   acc, xoff_hi);
-    slot = slot + 1 == kStreamStages ? 0 : slot + 1;
+    slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
 }

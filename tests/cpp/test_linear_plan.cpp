@@ -198,6 +198,29 @@ TEST_F(LinearPlan, StreamCtasPerSm) {
   EXPECT_EQ(gemm::stream_ctas_per_sm_max(4, 8, 2), 4);
 }
 
+TEST_F(LinearPlan, TwoRingSlotsWhereWarpRunsAreShort) {
+  // Rings of 2 slots for runs of 6 k-tiles or fewer a warp, else 3 (Linear
+  // v25): 4096 x 4096 and 2048 x 7168 (runs of 4) take 2, 8192 x 4096 (8)
+  // 3; the stream-K form keeps 3 (7168 x 18432 at M = 8).
+  for (int64_t m : {1, 8}) {
+    EXPECT_EQ(gemm::linear_plan(m, 4096, 4096).stream_stages, 2) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 7168, 2048).stream_stages, 2) << m;
+    EXPECT_EQ(gemm::linear_plan(m, 4096, 8192).stream_stages, 3) << m;
+  }
+  const gemm::LinearPlan k_plan = gemm::linear_plan(8, 18432, 7168);
+  EXPECT_GT(k_plan.stream_k_ctas, 0);
+  EXPECT_EQ(k_plan.stream_stages, 3);
+  // Smaller rings fit more two-tile CTAs: 1536 x 24576 at M = 16 (768
+  // pairs, runs of 6) now fits one wave at 6 two-warp CTAs a SM and takes
+  // the stream kernel; with 3 slots, 5 a SM, it did not.
+  const gemm::LinearPlan pairs = gemm::linear_plan(16, 24576, 1536);
+  EXPECT_EQ(pairs.path, LinearPath::kStream);
+  EXPECT_EQ(pairs.stream_tiles, 2);
+  EXPECT_EQ(pairs.stream_stages, 2);
+  EXPECT_EQ(gemm::stream_ctas_per_sm_max(2, 16, 2, 3), 5);
+  EXPECT_GE(gemm::stream_ctas_per_sm_max(2, 16, 2, 2), 6);
+}
+
 TEST_F(LinearPlan, KTooLongForTheStreamCountersRunsTheNarrowKernel) {
   // The stream kernel's 32-bit counters (Linear v19) hold padded K up to
   // kStreamMaxPaddedK; one k-tile more goes to the narrow kernel.

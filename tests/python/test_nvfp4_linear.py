@@ -567,6 +567,20 @@ def test_cuda_stream_kernel_two_tiles_per_warp(tmp_path):
                        [pairs, dict(pairs, LOWBIT_STREAM_CTAS_PER_SM="1")])
 
 
+@cuda
+def test_cuda_stream_kernel_ring_slots(tmp_path):
+    # The stream kernel's rings of 2 and 3 slots (Linear v25; the plan takes
+    # 2 for short runs), each forced on every row-pair build and on two tiles
+    # per warp: runs of 1-4 k-tiles (K = 400, split K), long runs (4096 x
+    # 7168), a partial last k-tile, odd M with a bias, bf16 and fp16. The
+    # slots change no product nor the order of the sums: bit for bit equal.
+    shapes = [(48, 400), (1040, 2176), (16 * 1152, 1168), (4096, 7168)]
+    for tiles, ms in (("1", (1, 3, 4, 8)), ("2", (5, 9, 16))):
+        stream = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": tiles}
+        _check_stream_runs(tmp_path, 31, shapes, ms,
+                           [dict(stream, LOWBIT_STREAM_STAGES="3"), dict(stream, LOWBIT_STREAM_STAGES="2")])
+
+
 # Each case eagerly twice, then captured in a CUDA graph and replayed three
 # times (the stream-K kernel's flags must be back at zero after every
 # launch, whatever launch id the replay carries).
