@@ -973,12 +973,14 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 // (runs of 4) 4-9% faster (M = 8: 5.6 -> 5.1-5.2 us) and 2048 x 7168 (4)
 // 0-6%, but 8192 x 4096 at M = 4-8 (8) and 7168 x 18432 at M = 4 (7) 4%
 // slower. Fewer slots also let more two-tile CTAs fit (1536 x 24576 at
-// M = 16, runs of 6: 12.5 -> 10.9 us). LOWBIT_STREAM_STAGES=2|3 (read
-// once) forces it.
-int stream_stages(int64_t run) {
+// M = 16, runs of 6: 12.5 -> 10.9 us). Two tiles per warp above 8 rows
+// (`wide_pairs`) always take 2: their 16 x rows make a slot 6.9 KB, and 2
+// slots let 4-warp CTAs sit 4 a SM (Linear v26). LOWBIT_STREAM_STAGES=2|3
+// (read once) forces it.
+int stream_stages(int64_t run, bool wide_pairs) {
   static const int forced = env_int("LOWBIT_STREAM_STAGES", 0);
   if (forced == 2 || forced == 3) return forced;
-  return run <= 6 ? 2 : 3;
+  return wide_pairs || run <= 6 ? 2 : 3;
 }
 
 // The stream kernel's shape: warps per tile, and K split as the narrow
@@ -1007,10 +1009,14 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
   p.warps = units >= 10 * sms && 2 * units <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
                 : stream_warps_per_tile(units, tiles_k, static_cast<int>(m), tiles_per_warp);
+  // Two tiles per warp above 8 rows: CTAs of at most 4 warps (8-warp CTAs
+  // ran 10-20% slower at 14..16 rows, Linear v26).
+  const bool wide_pairs = tiles_per_warp == 2 && m > kStreamMaxM;
+  if (wide_pairs) p.warps = std::min(p.warps, 4);
   const int64_t splits =
       units >= sms ? 1 : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
-  p.stream_stages = stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps));
+  p.stream_stages = stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps), wide_pairs);
   // Two tiles per warp at 9..16 rows: the rings may hold fewer CTAs than
   // 16 warps per SM (one tile per warp: they always hold that many).
   const int spread =
@@ -1102,14 +1108,16 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 
 // Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
 // docs/PERF.md). They halve x's shared memory and L2 reads per W byte and
-// double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows they
-// beat the panel and wide kernels where the tile pairs need no K split and
-// run in one wave at what the rings hold (2048 x 7168: 7.8-9.4 -> 6.1-6.3
-// us; 1536 x 24576 at 9..12: 12.9-14.2 -> 11.0-11.2), and lost where they
-// do not (7168 x 18432 at 14..16, 4096-row shapes split in K: 10-40%). At
-// 5..8 rows they beat one warp per tile where such CTAs leave the SMs
-// short of 16 warps (1536 x 24576, 12 a SM: 9.8-10.1 -> 9.3-9.5 us), and
-// lost to the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
+// double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows, in
+// CTAs of at most 4 warps with rings of 2 slots (stream_shape), they beat
+// the panel and wide kernels wherever their CTAs run in one wave at what
+// the rings hold, with at most 2 K splits (Linear v26: 8192 x 4096, 7168 x
+// 4096 and 4096 x 4096 5-14% faster with 2 splits, 18432 x 7168 3-6%
+// unsplit; 4096 x 1536, 3 splits, 10-14% slower at 12..16 rows); 7168 x
+// 18432 (576 pairs: more than a wave) stays on the wide kernel. At 5..8
+// rows they beat one warp per tile where such CTAs leave the SMs short of
+// 16 warps (1536 x 24576, 12 a SM: 9.8-10.1 -> 9.3-9.5 us), and lost to
+// the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
 // once) turns them off, or on at 5..16 rows wherever the stream kernel can
 // run, for probes. one / two: stream_shape's plans with one and two tiles
 // per warp (one: M <= 8 only).
@@ -1119,8 +1127,9 @@ bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const Li
   if (forced == 2) return true;
   if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
   const int64_t sms = cuda::num_sms(), pairs = cuda::ceil_div(ntiles, 2);
-  return pairs >= sms && two.splits == 1 &&
-         pairs <= int64_t{stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2, two.stream_stages)} * sms;
+  const int cap = std::min(kStreamTilesWarpsPerSm / two.warps,
+                           stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2, two.stream_stages));
+  return two.splits <= 2 && pairs * two.splits <= int64_t{cap} * sms;
 }
 
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {

@@ -174,13 +174,29 @@ TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
     EXPECT_EQ(p.ctas_per_sm, 6) << m;
     EXPECT_EQ(gemm::linear_plan(m - 4, 24576, 1536).stream_tiles, 1) << m;  // no pair build below 5 rows
   }
+  // Linear v26: at 9..16 rows CTAs of at most 4 warps, rings of 2 slots,
+  // K split in 2 where the pairs are fewer than the SMs (8192 x 4096: 128
+  // pairs, 256 CTAs at 2 a SM) or unsplit (18432 x 7168: 224 pairs, 8
+  // warps before the cap).
+  for (int64_t m : {9, 12, 16}) {
+    const gemm::LinearPlan split = gemm::linear_plan(m, 4096, 8192);
+    EXPECT_EQ(split.path, LinearPath::kStream) << m;
+    EXPECT_EQ(split.stream_tiles, 2) << m;
+    EXPECT_EQ(split.warps, 4) << m;
+    EXPECT_EQ(split.splits, 2) << m;
+    EXPECT_EQ(split.stream_stages, 2) << m;
+    const gemm::LinearPlan whole = gemm::linear_plan(m, 7168, 18432);
+    EXPECT_EQ(whole.stream_tiles, 2) << m;
+    EXPECT_EQ(whole.warps, 4) << m;
+    EXPECT_EQ(whole.splits, 1) << m;
+  }
   // Not where one warp per tile fills 16 a SM (1024 x 32768), the pairs
-  // need a K split (128 pairs on 4096-row shapes) or more than a wave
-  // (7168 x 18432 at 9 rows: 576 pairs, 396 slots), nor at M = 8 where the
+  // need 3 K splits (4096 x 1536: 48 pairs) or more than a wave (7168 x
+  // 18432 at 9 rows: 576 pairs, 528 slots), nor at M = 8 where the
   // one-tile plan runs several warps per tile (2048 x 7168).
   EXPECT_EQ(gemm::linear_plan(8, 32768, 1024).stream_tiles, 1);
   EXPECT_EQ(gemm::linear_plan(8, 7168, 2048).stream_tiles, 1);
-  EXPECT_NE(gemm::linear_plan(9, 4096, 8192).path, LinearPath::kStream);
+  EXPECT_NE(gemm::linear_plan(12, 1536, 4096).path, LinearPath::kStream);
   EXPECT_NE(gemm::linear_plan(9, 18432, 7168).path, LinearPath::kStream);
 }
 
