@@ -1115,8 +1115,9 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 // 4096 and 4096 x 4096 5-14% faster with 2 splits, 18432 x 7168 3-6%
 // unsplit; 4096 x 1536, 3 splits, 10-14% slower at 12..16 rows); 7168 x
 // 18432 (576 pairs: more than a wave) stays on the wide kernel. At 5..8
-// rows they beat one warp per tile where such CTAs leave the SMs short of
-// 16 warps (1536 x 24576, 12 a SM: 9.8-10.1 -> 9.3-9.5 us), and lost to
+// rows they beat one warp per tile (1536 x 24576, 12 a SM: 9.8-10.1 ->
+// 9.3-9.5 us; 1024 x 32768, 16 a SM, on 2-warp CTAs with 2-slot rings:
+// 9.0-9.1 -> 8.5 us at M = 7-8, the same at 5-6, Linear v26), and lost to
 // the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
 // once) turns them off, or on at 5..16 rows wherever the stream kernel can
 // run, for probes. one / two: stream_shape's plans with one and two tiles
@@ -1125,7 +1126,7 @@ bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const Li
   static const int forced = env_int("LOWBIT_STREAM_TILES", 0);
   if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
   if (forced == 2) return true;
-  if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0 && one.ctas_per_sm < 16;
+  if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0;
   const int64_t sms = cuda::num_sms(), pairs = cuda::ceil_div(ntiles, 2);
   const int cap = std::min(kStreamTilesWarpsPerSm / two.warps,
                            stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2, two.stream_stages));

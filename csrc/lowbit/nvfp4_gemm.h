@@ -69,8 +69,8 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //   5 <= M <= 16      before the kernels below: the stream kernel with two
 //                     W tiles per warp (x read once for both) where its
 //                     CTAs (at most 4 warps, rings of 2 slots) run in one
-//                     wave with K split in 2 at most (9..16), or where one
-//                     warp per tile leaves SMs short of 16 warps (5..8):
+//                     wave with K split in 2 at most (9..16), or where the
+//                     one-tile plan runs one warp per tile, unsplit (5..8):
 //                     stream_tiles_pay in nvfp4_gemm.cu
 //   kPanelMinM <= M <= kPanelMaxM
 //                     panel kernel, where its grid runs in one wave: 8 warps

@@ -190,11 +190,18 @@ TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
     EXPECT_EQ(whole.warps, 4) << m;
     EXPECT_EQ(whole.splits, 1) << m;
   }
-  // Not where one warp per tile fills 16 a SM (1024 x 32768), the pairs
-  // need 3 K splits (4096 x 1536: 48 pairs) or more than a wave (7168 x
-  // 18432 at 9 rows: 576 pairs, 528 slots), nor at M = 8 where the
-  // one-tile plan runs several warps per tile (2048 x 7168).
-  EXPECT_EQ(gemm::linear_plan(8, 32768, 1024).stream_tiles, 1);
+  // At 5..8 rows also where one warp per tile fills 16 a SM (1024 x 32768:
+  // 1024 pairs on 2-warp CTAs, 8 a SM, 2-slot rings).
+  for (int64_t m = 5; m <= 8; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 32768, 1024);
+    EXPECT_EQ(p.stream_tiles, 2) << m;
+    EXPECT_EQ(p.warps, 2) << m;
+    EXPECT_EQ(p.ctas_per_sm, 8) << m;
+    EXPECT_EQ(p.stream_stages, 2) << m;
+  }
+  // Not where the pairs need 3 K splits (4096 x 1536: 48 pairs) or more
+  // than a wave (7168 x 18432 at 9 rows: 576 pairs, 528 slots), nor at
+  // M = 8 where the one-tile plan runs several warps per tile (2048 x 7168).
   EXPECT_EQ(gemm::linear_plan(8, 7168, 2048).stream_tiles, 1);
   EXPECT_NE(gemm::linear_plan(12, 1536, 4096).path, LinearPath::kStream);
   EXPECT_NE(gemm::linear_plan(9, 18432, 7168).path, LinearPath::kStream);
