@@ -165,14 +165,22 @@ TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
     EXPECT_EQ(p.splits, 1) << m;
     EXPECT_EQ(p.workspace_bytes, 0) << m;
   }
-  // 1536 x 24576 at 5..8 rows: one warp per tile would sit 12 a SM; the 768
-  // pairs take 2 warps each, 6 CTAs a SM.
-  for (int64_t m = 5; m <= 8; ++m) {
-    const gemm::LinearPlan p = gemm::linear_plan(m, 24576, 1536);
-    EXPECT_EQ(p.stream_tiles, 2) << m;
-    EXPECT_EQ(p.warps, 2) << m;
-    EXPECT_EQ(p.ctas_per_sm, 6) << m;
-    EXPECT_EQ(gemm::linear_plan(m - 4, 24576, 1536).stream_tiles, 1) << m;  // no pair build below 5 rows
+  // At 5..8 rows where one warp per tile runs unsplit: 1536 x 24576 (12
+  // one-warp CTAs a SM; the 768 pairs on 2-warp CTAs, 6 a SM) and, since
+  // v26, 1024 x 32768 (16 a SM; 1024 pairs, 8 a SM), with 2-slot rings.
+  struct Pairs {
+    int64_t n, k;
+    int ctas_per_sm;
+  };
+  for (const Pairs& s : {Pairs{24576, 1536, 6}, Pairs{32768, 1024, 8}}) {
+    for (int64_t m = 5; m <= 8; ++m) {
+      const gemm::LinearPlan p = gemm::linear_plan(m, s.n, s.k);
+      EXPECT_EQ(p.stream_tiles, 2) << s.n << " " << m;
+      EXPECT_EQ(p.warps, 2) << s.n << " " << m;
+      EXPECT_EQ(p.ctas_per_sm, s.ctas_per_sm) << s.n << " " << m;
+      EXPECT_EQ(p.stream_stages, 2) << s.n << " " << m;
+      EXPECT_EQ(gemm::linear_plan(m - 4, s.n, s.k).stream_tiles, 1) << s.n << " " << m;  // no pair build below 5 rows
+    }
   }
   // Linear v26: at 9..16 rows CTAs of at most 4 warps, rings of 2 slots,
   // K split in 2 where the pairs are fewer than the SMs (8192 x 4096: 128
@@ -189,15 +197,6 @@ TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
     EXPECT_EQ(whole.stream_tiles, 2) << m;
     EXPECT_EQ(whole.warps, 4) << m;
     EXPECT_EQ(whole.splits, 1) << m;
-  }
-  // At 5..8 rows also where one warp per tile fills 16 a SM (1024 x 32768:
-  // 1024 pairs on 2-warp CTAs, 8 a SM, 2-slot rings).
-  for (int64_t m = 5; m <= 8; ++m) {
-    const gemm::LinearPlan p = gemm::linear_plan(m, 32768, 1024);
-    EXPECT_EQ(p.stream_tiles, 2) << m;
-    EXPECT_EQ(p.warps, 2) << m;
-    EXPECT_EQ(p.ctas_per_sm, 8) << m;
-    EXPECT_EQ(p.stream_stages, 2) << m;
   }
   // Not where the pairs need 3 K splits (4096 x 1536: 48 pairs) or more
   // than a wave (7168 x 18432 at 9 rows: 576 pairs, 528 slots), nor at
