@@ -211,7 +211,8 @@ __device__ __forceinline__ void stream_tiles_finish(const float (&acc)[kTiles * 
                                                     int64_t m, int64_t n, const float* global_scale, const T* bias,
                                                     T* out, float* workspace) {
   using Partials = mma::CtaPartials<kTiles * MT, W>;
-  static_assert(sizeof(Partials) <= W * mma::stream_warp_bytes(1, kTiles, 2), "the partial sums fit in the rings");
+  static_assert(sizeof(Partials) <= W * mma::stream_warp_bytes(1, kTiles, 2),
+                "the partial sums fit in the smallest rings");
   __syncthreads();  // every warp is past its ring
   Partials& partial = *static_cast<Partials*>(smem);
   partial.store(acc, threadIdx.x / 32, threadIdx.x % 32);
@@ -777,7 +778,7 @@ StreamKRuns stream_k_runs(const LinearArgs& a, const LinearPlan& p) {
 template <typename T, int W, int kPairs, int kTiles>
 cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int64_t tiles_k = padded_k(a.k) / kTileK;
-  const int stages = p.stream_k_ctas == 0 && p.stream_stages == 2 ? 2 : mma::kStreamStages;
+  const int stages = p.stream_stages == 2 ? 2 : mma::kStreamStages;  // stream-K: linear_plan sets the latter
   const int smem =
       cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), kTiles, stages), p.ctas_per_sm);
   if constexpr (kTiles == 1) {  // stream-K: one tile per warp only
@@ -1127,10 +1128,9 @@ bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const Li
   if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
   if (forced == 2) return true;
   if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0;
-  const int64_t sms = cuda::num_sms(), pairs = cuda::ceil_div(ntiles, 2);
-  const int cap = std::min(kStreamTilesWarpsPerSm / two.warps,
-                           stream_ctas_per_sm_max(two.warps, static_cast<int>(m), 2, two.stream_stages));
-  return two.splits <= 2 && pairs * two.splits <= int64_t{cap} * sms;
+  // One wave at what the rings hold: stream_shape's cap then covers the grid.
+  const int64_t pairs = cuda::ceil_div(ntiles, 2);
+  return two.splits <= 2 && two.ctas_per_sm > 0 && pairs * two.splits <= two.ctas_per_sm * cuda::num_sms();
 }
 
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
