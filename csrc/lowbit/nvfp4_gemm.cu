@@ -923,9 +923,19 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp, int stages) 
       std::min<int64_t>(stream_warps_per_sm(tiles_per_warp) / warps, cuda::smem_per_sm() / cta_bytes));
 }
 
+namespace {
+// LOWBIT_STREAM_WARPS (nvfp4_gemm.h): the forced warps per stream CTA, or 0.
+int forced_stream_warps() {
+  static const int forced = [] {
+    const int w = env_int("LOWBIT_STREAM_WARPS", 0);
+    return w == 1 || w == 2 || w == 4 || w == 8 ? w : 0;
+  }();
+  return forced;
+}
+}  // namespace
+
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp) {
-  static const int forced = env_int("LOWBIT_STREAM_WARPS", 0);
-  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+  if (forced_stream_warps() > 0) return forced_stream_warps();
   const int64_t sms = cuda::num_sms();
   for (int w : {8, 4, 2}) {
     const int64_t warps_per_wave = int64_t{stream_ctas_per_sm_max(w, rows, tiles_per_warp)} * w * sms;
@@ -984,6 +994,29 @@ int stream_stages(int64_t run, bool wide_pairs) {
   return wide_pairs || run <= 6 ? 2 : 3;
 }
 
+// Two W tiles per warp at 9..16 rows in 8-warp CTAs over the whole K: no
+// partials, no split_reduce, and 16 warps a SM where two CTAs sit on one.
+// They pay (Linear v27 in docs/PERF.md, against 4-warp CTAs)
+//   - where the pairs give 90-100% of the SMs one CTA each, runs of 2
+//     k-tiles or more (the N = 4096 shapes, which split K in 2 before:
+//     5-9% faster on 8192 x 4096 and 7168 x 4096 at 9..16 rows, 11-14% on
+//     4096 x 4096, 16-19% on 2048 x 4096);
+//   - where the pairs are more than the SMs, runs of 4 or more, and two
+//     CTAs a SM leave 32 KB of the shared-memory carveout to L1 (at most 12
+//     rows): 18432 x 7168 at M = 9 / 12 30.8 / 32.0 against 33.4 / 32.8 us,
+//     7168 x 18432 (over two waves) at 9..12 33.3 against 36.0 on the wide
+//     kernel. At 13..16 rows two such CTAs take 223 KB, L1 shrinks to 28
+//     KB, and they ran 11-22% slower: x's copies go through L1
+//     (cp.async.ca); copying x past it (.cg) was slower everywhere.
+bool eight_warp_pairs(int64_t m, int64_t pairs, int64_t tiles_k) {
+  if (m <= kStreamMaxM || m > kStreamTilesMaxM) return false;
+  const int64_t sms = cuda::num_sms();
+  if (pairs <= sms) return 10 * pairs >= 9 * sms && tiles_k >= 2 * 8;
+  constexpr int kL1Keeps = 32 * 1024;
+  const int64_t cta_bytes = 8 * int64_t{mma::stream_warp_bytes(static_cast<int>(m), 2, 2)} + 1024;
+  return tiles_k >= 4 * 8 && 2 * cta_bytes <= cuda::smem_per_sm() - kL1Keeps;
+}
+
 // The stream kernel's shape: warps per tile, and K split as the narrow
 // kernel's when the tiles are fewer than the SMs. Its CTAs are capped per
 // SM: left to fill SMs up to what their rings allow (32 warps at 1-4 rows,
@@ -1010,12 +1043,18 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
   p.warps = units >= 10 * sms && 2 * units <= 3 * kSpreadWarpsPerSm * sms
                 ? 1
                 : stream_warps_per_tile(units, tiles_k, static_cast<int>(m), tiles_per_warp);
-  // Two tiles per warp above 8 rows: CTAs of at most 4 warps (8-warp CTAs
-  // ran 10-20% slower at 14..16 rows, Linear v26).
+  // Two tiles per warp above 8 rows: 8-warp CTAs over the whole K where
+  // they pay, else CTAs of at most 4 warps (8-warp CTAs ran 10-20% slower
+  // at 14..16 rows where two sit on an SM, Linear v26).
   const bool wide_pairs = tiles_per_warp == 2 && m > kStreamMaxM;
-  if (wide_pairs) p.warps = std::min(p.warps, 4);
+  const bool eight_whole = wide_pairs && forced_stream_warps() == 0 && eight_warp_pairs(m, units, tiles_k);
+  if (wide_pairs && forced_stream_warps() == 0) p.warps = eight_whole ? 8 : std::min(p.warps, 4);
+  static const int forced_splits = env_int("LOWBIT_STREAM_SPLITS", 0);
   const int64_t splits =
-      units >= sms ? 1 : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
+      forced_splits > 0 ? std::min<int64_t>(forced_splits, tiles_k)
+      : units >= sms || eight_whole
+          ? 1
+          : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
   p.stream_stages = stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps), wide_pairs);
   // Two tiles per warp at 9..16 rows: the rings may hold fewer CTAs than
@@ -1123,13 +1162,14 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 // once) turns them off, or on at 5..16 rows wherever the stream kernel can
 // run, for probes. one / two: stream_shape's plans with one and two tiles
 // per warp (one: M <= 8 only).
-bool stream_tiles_pay(int64_t m, int64_t ntiles, const LinearPlan& one, const LinearPlan& two) {
+bool stream_tiles_pay(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one, const LinearPlan& two) {
   static const int forced = env_int("LOWBIT_STREAM_TILES", 0);
   if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
   if (forced == 2) return true;
   if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0;
-  // One wave at what the rings hold: stream_shape's cap then covers the grid.
   const int64_t pairs = cuda::ceil_div(ntiles, 2);
+  if (eight_warp_pairs(m, pairs, tiles_k)) return true;  // stream_shape's 8-warp CTAs, whole K
+  // One wave at what the rings hold: stream_shape's cap then covers the grid.
   return two.splits <= 2 && two.ctas_per_sm > 0 && pairs * two.splits <= two.ctas_per_sm * cuda::num_sms();
 }
 
@@ -1151,7 +1191,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   const LinearPlan stream_one = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
   const LinearPlan stream_two =
       m >= kStreamTilesMinM && m <= kStreamTilesMaxM ? stream_shape(m, ntiles, tiles_k, 2) : LinearPlan{};
-  const bool stream_tiles = stream_tiles_pay(m, ntiles, stream_one, stream_two);
+  const bool stream_tiles = stream_tiles_pay(m, ntiles, tiles_k, stream_one, stream_two);
   const LinearPlan& stream_plan = stream_tiles ? stream_two : stream_one;
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;

@@ -139,7 +139,8 @@ int one_wave_warps_per_tile(int64_t tiles);
 // 2 that leave every warp 4 k-tiles or more and fit in 3 waves (registers
 // and shared memory), else 1 (docs/PERF.md, Linear v9). The MoE uses it too.
 // tiles_per_warp 2: `tiles` counts tile pairs, each warp takes both of a
-// pair. LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
+// pair (at 9..16 rows the plan then takes 8 warps or at most 4: Linear v27).
+// LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp = 1);
 // The most stream CTAs of `warps` warps one SM holds at `rows` rows of x,
 // `tiles_per_warp` W tiles per warp and rings of `stages` slots: registers
@@ -153,7 +154,8 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1, int stag
 // warp off, or on at 5..16 rows wherever the stream kernel can run
 // (Linear v23, stream_tiles_pay in nvfp4_gemm.cu). LOWBIT_STREAM_STAGES=2|3
 // (read once) sets the stream kernel's ring slots (Linear v25,
-// stream_stages in nvfp4_gemm.cu).
+// stream_stages in nvfp4_gemm.cu). LOWBIT_STREAM_SPLITS=s (read once) sets
+// its K splits (at most its k-tiles), for probes and tests.
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
 // The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K

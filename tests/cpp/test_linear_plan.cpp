@@ -182,28 +182,41 @@ TEST_F(LinearPlan, TwoTilesPerWarpWhereThePairsPay) {
       EXPECT_EQ(gemm::linear_plan(m - 4, s.n, s.k).stream_tiles, 1) << s.n << " " << m;  // no pair build below 5 rows
     }
   }
-  // Linear v26: at 9..16 rows CTAs of at most 4 warps, rings of 2 slots,
-  // K split in 2 where the pairs are fewer than the SMs (8192 x 4096: 128
-  // pairs, 256 CTAs at 2 a SM) or unsplit (18432 x 7168: 224 pairs, 8
-  // warps before the cap).
+  // Linear v26: at 9..16 rows rings of 2 slots and CTAs of at most 4
+  // warps, unsplit or K split in 2 (2048 x 7168 above; 18432 x 7168 at 16
+  // rows: 224 pairs, 8 warps before the cap). Linear v27: 8-warp CTAs over
+  // the whole K where the pairs give 90-100% of the SMs one CTA each
+  // (8192 x 4096: 128 pairs, which v26 split in 2 on 4-warp CTAs), and
+  // where they are more than the SMs, with runs of 4+ k-tiles and at most
+  // 12 rows (two CTAs a SM leave L1 its 60 KB): 18432 x 7168 and 7168 x
+  // 18432 (576 pairs, over two waves) at 9..12 rows.
   for (int64_t m : {9, 12, 16}) {
-    const gemm::LinearPlan split = gemm::linear_plan(m, 4096, 8192);
-    EXPECT_EQ(split.path, LinearPath::kStream) << m;
-    EXPECT_EQ(split.stream_tiles, 2) << m;
-    EXPECT_EQ(split.warps, 4) << m;
-    EXPECT_EQ(split.splits, 2) << m;
-    EXPECT_EQ(split.stream_stages, 2) << m;
+    const gemm::LinearPlan one_each = gemm::linear_plan(m, 4096, 8192);
+    EXPECT_EQ(one_each.path, LinearPath::kStream) << m;
+    EXPECT_EQ(one_each.stream_tiles, 2) << m;
+    EXPECT_EQ(one_each.warps, 8) << m;
+    EXPECT_EQ(one_each.splits, 1) << m;
+    EXPECT_EQ(one_each.ctas_per_sm, 1) << m;
+    EXPECT_EQ(one_each.stream_stages, 2) << m;
+    EXPECT_EQ(one_each.workspace_bytes, 0) << m;
     const gemm::LinearPlan whole = gemm::linear_plan(m, 7168, 18432);
     EXPECT_EQ(whole.stream_tiles, 2) << m;
-    EXPECT_EQ(whole.warps, 4) << m;
+    EXPECT_EQ(whole.warps, m <= 12 ? 8 : 4) << m;
     EXPECT_EQ(whole.splits, 1) << m;
   }
-  // Not where the pairs need 3 K splits (4096 x 1536: 48 pairs) or more
-  // than a wave (7168 x 18432 at 9 rows: 576 pairs, 528 slots), nor at
+  for (int64_t m = 9; m <= 16; ++m) {
+    const gemm::LinearPlan p = gemm::linear_plan(m, 18432, 7168);
+    EXPECT_EQ(p.path == LinearPath::kStream, m <= 12) << m;
+    if (m <= 12) {
+      EXPECT_EQ(p.stream_tiles, 2) << m;
+      EXPECT_EQ(p.warps, 8) << m;
+      EXPECT_EQ(p.splits, 1) << m;
+    }
+  }
+  // Not where the pairs need 3 K splits (4096 x 1536: 48 pairs), nor at
   // M = 8 where the one-tile plan runs several warps per tile (2048 x 7168).
   EXPECT_EQ(gemm::linear_plan(8, 7168, 2048).stream_tiles, 1);
   EXPECT_NE(gemm::linear_plan(12, 1536, 4096).path, LinearPath::kStream);
-  EXPECT_NE(gemm::linear_plan(9, 18432, 7168).path, LinearPath::kStream);
 }
 
 TEST_F(LinearPlan, StreamCtasPerSm) {

@@ -568,6 +568,21 @@ def test_cuda_stream_kernel_two_tiles_per_warp(tmp_path):
 
 
 @cuda
+def test_cuda_stream_kernel_eight_warp_pairs(tmp_path):
+    # Two W tiles per warp in 8-warp CTAs over the whole K (the plan's at
+    # 9..16 rows on some shapes, Linear v27), forced on every shape: warps
+    # with no k-tile (K = 400: 4 k-tiles), runs of 1-7 k-tiles, several
+    # waves (1354 pairs), odd tile counts, a partial last k-tile, odd M with
+    # a bias, bf16 and fp16. Then capped at one CTA per SM (no sum changes:
+    # bit for bit the same).
+    shapes = [(48, 400), (1040, 2176), (16 * 2707, 400), (16 * 1152, 1168), (4096, 7168)]
+    eights = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "2", "LOWBIT_STREAM_WARPS": "8",
+              "LOWBIT_STREAM_SPLITS": "1"}
+    _check_stream_runs(tmp_path, 27, shapes, (9, 12, 13, 16),
+                       [eights, dict(eights, LOWBIT_STREAM_CTAS_PER_SM="1")])
+
+
+@cuda
 def test_cuda_stream_kernel_ring_slots(tmp_path):
     # The stream kernel's rings of 2 and 3 slots (Linear v25; the plan takes
     # 2 for short runs), each forced on every row-pair build and on two tiles
