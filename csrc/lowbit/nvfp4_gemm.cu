@@ -1006,8 +1006,9 @@ int stream_stages(int64_t run, bool wide_pairs) {
 //     rows): 18432 x 7168 at M = 9 / 12 30.8 / 32.0 against 33.4 / 32.8 us,
 //     7168 x 18432 (over two waves) at 9..12 33.3 against 36.0 on the wide
 //     kernel. At 13..16 rows two such CTAs take 223 KB, L1 shrinks to 28
-//     KB, and they ran 11-22% slower: x's copies go through L1
-//     (cp.async.ca); copying x past it (.cg) was slower everywhere.
+//     KB, and they ran 11-22% slower. The bound is where they were
+//     measured to turn, not a cause found: 2-warp pair CTAs at 8 a SM
+//     (1024 x 32768, L1 as small) ran slower capped to fewer.
 bool eight_warp_pairs(int64_t m, int64_t pairs, int64_t tiles_k) {
   if (m <= kStreamMaxM || m > kStreamTilesMaxM) return false;
   const int64_t sms = cuda::num_sms();
