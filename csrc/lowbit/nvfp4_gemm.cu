@@ -1149,13 +1149,14 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 
 // Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
 // docs/PERF.md). They halve x's shared memory and L2 reads per W byte and
-// double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows, in
-// CTAs of at most 4 warps with rings of 2 slots (stream_shape), they beat
-// the panel and wide kernels wherever their CTAs run in one wave at what
-// the rings hold, with at most 2 K splits (Linear v26: 8192 x 4096, 7168 x
-// 4096 and 4096 x 4096 5-14% faster with 2 splits, 18432 x 7168 3-6%
-// unsplit; 4096 x 1536, 3 splits, 10-14% slower at 12..16 rows); 7168 x
-// 18432 (576 pairs: more than a wave) stays on the wide kernel. At 5..8
+// double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows
+// they pay wherever eight_warp_pairs does (8-warp CTAs over the whole K,
+// Linear v27), and otherwise, in CTAs of at most 4 warps with rings of 2
+// slots (stream_shape), beat the panel and wide kernels wherever their
+// CTAs run in one wave at what the rings hold, with at most 2 K splits
+// (Linear v26: 18432 x 7168 at 16 rows 34.1 against 35.0 us; 4096 x
+// 1536, 3 splits, 10-14% slower at 12..16 rows); 7168 x 18432 at 13..16
+// rows (576 pairs: more than a wave) stays on the wide kernel. At 5..8
 // rows they beat one warp per tile (1536 x 24576, 12 a SM: 9.8-10.1 ->
 // 9.3-9.5 us; 1024 x 32768, 16 a SM, on 2-warp CTAs with 2-slot rings:
 // 9.0-9.1 -> 8.5 us at M = 7-8, the same at 5-6, Linear v26), and lost to

@@ -67,11 +67,13 @@ cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
 //                     k-tiles that cross tiles, the pieces of a tile added
 //                     in the kernel
 //   5 <= M <= 16      before the kernels below: the stream kernel with two
-//                     W tiles per warp (x read once for both) where its
-//                     CTAs (at most 4 warps, rings of 2 slots) run in one
-//                     wave with K split in 2 at most (9..16), or where the
-//                     one-tile plan runs one warp per tile, unsplit (5..8):
-//                     stream_tiles_pay in nvfp4_gemm.cu
+//                     W tiles per warp (x read once for both; rings of 2
+//                     slots) at 9..16 rows: 8-warp CTAs over the whole K
+//                     where they pay (eight_warp_pairs), else CTAs of at
+//                     most 4 warps where they run in one wave with K split
+//                     in 2 at most; at 5..8 where the one-tile plan runs
+//                     one warp per tile, unsplit: stream_tiles_pay in
+//                     nvfp4_gemm.cu
 //   kPanelMinM <= M <= kPanelMaxM
 //                     panel kernel, where its grid runs in one wave: 8 warps
 //                     on 128 W rows over one K chunk whose x rows sit in
