@@ -5,7 +5,9 @@ engine runs kernels), the median over many samples. Each graph holds one call
 per input set and the sets rotate through more memory than the L2 cache
 holds, so every call starts with a cold L2. The GPU is kept busy while the
 timed replays are enqueued, so a sample is GPU time, not the host's graph
-submission latency (see time_calls).
+submission latency (see time_calls). Providers compared in one row take their
+samples in turns (time_calls_in_turns), so the card's clocks drift under all
+of them alike.
 
 Floors: peak HBM bandwidth (a large device-to-device copy, bytes read +
 written) and dense BF16 / FP8 matmul throughput (8192^3 on random data) are
@@ -63,58 +65,72 @@ def time_calls(
     also counts the host's graph submission (several us, a share of 1 /
     n_sets of it per call; 3-4 us per call for a 50 us call at 2 sets).
     """
+    return time_calls_in_turns([(call, n_sets)], use_graph, replays, warmup)[0]
+
+
+def time_calls_in_turns(
+    providers: Sequence[tuple[Callable[[int], Any], int]],
+    use_graph: bool = True,
+    replays: int = 30,
+    warmup: int = 3,
+) -> list[float]:
+    """time_calls for several providers (``(call, n_sets)`` each) whose
+    samples are taken in turns: sample 1 of every provider, then sample 2,
+    and so on. Timed one after the other, a provider's samples would see the
+    clocks and temperature the providers before it left (a card under
+    sustained load slows by up to 10-20%: docs/PERF.md), so a ratio of two
+    rows would carry the drift between them; in turns, every provider sees
+    the same conditions.
+    """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            for i in range(n_sets):
-                call(i)
+            for call, n_sets in providers:
+                for i in range(n_sets):
+                    call(i)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
 
-    if use_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(n_sets):
-                call(i)
-        graph.replay()
-
-        def run() -> None:
+    runs = []
+    for call, n_sets in providers:
+        if use_graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(n_sets):
+                    call(i)
             graph.replay()
-    else:
+            runs.append(graph.replay)
+        else:
+            runs.append(lambda call=call, n_sets=n_sets: [call(i) for i in range(n_sets)])
 
-        def run() -> None:
-            for i in range(n_sets):
-                call(i)
+    def timed_ms(run: Callable[[], Any], times: int) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        run()  # untimed: the GPU is busy while the timed runs are enqueued
+        start.record()
+        for _ in range(times):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / times
 
     # Keep the GPU busy for a while first: after the host-side work between
     # rows (building weights) the clocks have dropped, and a short kernel's
     # first replays would otherwise time the clock ramp, not the kernel.
     torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    run_ms = [0.0] * len(runs)
     busy_ms = 0.0
     while busy_ms < WARM_MS:
-        start.record()
-        for _ in range(8):
-            run()
-        end.record()
-        end.synchronize()
-        run_ms = start.elapsed_time(end) / 8
-        busy_ms += 8 * run_ms
-    batch = max(1, min(64, math.ceil(SAMPLE_MS / max(run_ms, 1e-6))))
-    times = []
+        for j, run in enumerate(runs):
+            run_ms[j] = timed_ms(run, 8)
+            busy_ms += 9 * run_ms[j]
+    batches = [max(1, min(64, math.ceil(SAMPLE_MS / max(ms, 1e-6)))) for ms in run_ms]
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(replays):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        run()  # untimed: the GPU is busy while the timed runs are enqueued
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / (batch * n_sets))
-    return statistics.median(times)
+        for j, run in enumerate(runs):
+            times[j].append(timed_ms(run, batches[j]) / 1e3 / providers[j][1])
+    return [statistics.median(t) for t in times]
 
 
 def measure_hardware(device: torch.device | None = None) -> Hardware:

@@ -1,6 +1,7 @@
 """NVFP4 Linear (W4A16) against cuBLAS BF16 (F.linear) and FP8
 torch._scaled_mm (per-tensor scales, row-major A, column-major B), all timed
-the same way (CUDA graphs, cold L2 via rotating input sets).
+the same way (CUDA graphs, cold L2 via rotating input sets), their samples
+taken in turns (harness.time_calls_in_turns).
 
 Floor per row: max(bytes / measured HBM bandwidth, flops / measured BF16
 peak), bytes = x + NVFP4 weight (0.5625 B/weight) + output. Columns:
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import lowbit
-from lowbit.bench.harness import Hardware, rotation_count, time_calls
+from lowbit.bench.harness import Hardware, rotation_count, time_calls, time_calls_in_turns
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 SHAPES = [
@@ -55,11 +56,11 @@ def run(hw: Hardware, quick: bool):
         for m in QUICK_MS if quick else MS:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(n_sets, n_bf16))]
             x8 = [x.to(torch.float8_e4m3fn) for x in xs]
-            t4 = time_calls(lambda i: lowbit.nvfp4_linear(xs[i], *weights[i][1:]), n_sets)
-            tb = time_calls(lambda i: F.linear(xs[i], weights[i][0]), n_bf16)
-            t8 = time_calls(
-                lambda i: torch._scaled_mm(x8[i], w8[i], scale_a=one, scale_b=one, out_dtype=torch.bfloat16), n_bf16
-            )
+            t4, tb, t8 = time_calls_in_turns([
+                (lambda i: lowbit.nvfp4_linear(xs[i], *weights[i][1:]), n_sets),
+                (lambda i: F.linear(xs[i], weights[i][0]), n_bf16),
+                (lambda i: torch._scaled_mm(x8[i], w8[i], scale_a=one, scale_b=one, out_dtype=torch.bfloat16), n_bf16),
+            ])
             moved = fp4_bytes + m * k * 2 + m * n * 2
             floor = hw.floor_s(moved, 2.0 * m * n * k)
             rows.append({
