@@ -2,8 +2,9 @@
 tool, not the benchmark: `python -m lowbit.bench linear` is that).
 
 Each path runs in its own process with LOWBIT_LINEAR_PATH set (the plan
-reads it once); every row also times cuBLAS BF16 (F.linear) in the default
-process and checks the output against the dequantized weight.
+reads it once); every row also times cuBLAS BF16 (F.linear) in the first
+path's process, in turns with it as the bench does, and checks the output
+against the dequantized weight.
 
   python scripts/probe_linear.py --paths default,unpack --ms 64,256,4096 \
       --shapes 8192x4096,7168x18432 [--json out.json]
@@ -28,7 +29,7 @@ def worker(args) -> None:
     import torch.nn.functional as F
 
     import lowbit
-    from lowbit.bench.harness import rotation_count, time_calls
+    from lowbit.bench.harness import rotation_count, time_calls, time_calls_in_turns
 
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
@@ -47,10 +48,16 @@ def worker(args) -> None:
             y = lowbit.nvfp4_linear(xs[0], *sets[0][1:4]).float()
             ref = xs[0].float() @ deq.T
             err = ((y - ref).norm() / ref.norm()).item()
-            t = time_calls(lambda i: lowbit.nvfp4_linear(xs[i], *sets[i][1:4]), n_sets, use_graph=not args.eager)
+            ours = (lambda i: lowbit.nvfp4_linear(xs[i], *sets[i][1:4]), n_sets)
+            peer = (lambda i: F.linear(xs[i], sets[i][0]), n_bf16)
+            if args.bf16 and not args.eager:  # in turns, as the bench times them
+                t, tb = time_calls_in_turns([ours, peer])
+            else:
+                t = time_calls(*ours, use_graph=not args.eager)
+                tb = time_calls(*peer) if args.bf16 else None
             row = {"K": k, "N": n, "M": m, "us": t * 1e6, "err": err}
-            if args.bf16:
-                row["bf16_us"] = time_calls(lambda i: F.linear(xs[i], sets[i][0]), n_bf16) * 1e6
+            if tb is not None:
+                row["bf16_us"] = tb * 1e6
             print("ROW " + json.dumps(row), flush=True)
             del xs
         del sets
