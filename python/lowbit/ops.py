@@ -30,7 +30,7 @@ class Nvfp4Tensor(NamedTuple):
 
 def nvfp4_quantize(input: Tensor, global_scale: Tensor | None = None) -> Nvfp4Tensor:
     """Quantizes ``input`` ([N, K] or stacked experts [E, N, K], K % 16 == 0,
-    bf16/fp16/fp32) to NVFP4 with the reference rule of docs/FORMATS.md.
+    bf16/fp16/fp32) to NVFP4 with the reference rule of csrc/lowbit/nvfp4_format.h.
 
     ``global_scale`` ([] or [E], float32, amax / 2688 convention) is computed
     per tensor / per expert from the data unless given.
