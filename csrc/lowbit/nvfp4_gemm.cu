@@ -118,18 +118,13 @@ __global__ void unpack_kernel(const uint32_t* __restrict__ weight, const uint8_t
   const int64_t row = (tile / tiles_k) * kTileN + lane / 4;
   const uint32_t word = __ldg(weight + i);
   const uint32_t sw = __ldg(reinterpret_cast<const uint32_t*>(scale + tile * kTileScaleBytes + (lane / 4) * 16) + kt / 2);
-  uint32_t a[4];
-  mma::decode_fragment<__nv_bfloat16>(word, sw, kt, a);
+  float v_lo[4], v_hi[4];  // rows g and g + 8
+  mma::decode_word_rows(word, sw, kt, v_lo, v_hi);
   const float g = __ldg(global_scale) * kDecodeUnscale;
-  const uint32_t lo[2] = {a[0], a[2]};  // row g
-  const uint32_t hi[2] = {a[1], a[3]};  // row g + 8
-  float v_lo[4], v_hi[4];
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    v_lo[2 * j] = __uint_as_float(lo[j] << 16) * g;
-    v_lo[2 * j + 1] = __uint_as_float(lo[j] & 0xffff0000u) * g;
-    v_hi[2 * j] = __uint_as_float(hi[j] << 16) * g;
-    v_hi[2 * j + 1] = __uint_as_float(hi[j] & 0xffff0000u) * g;
+  for (int j = 0; j < 4; ++j) {
+    v_lo[j] *= g;
+    v_hi[j] *= g;
   }
   cuda::store4(out + row * k + col, v_lo);
   cuda::store4(out + (row + 8) * k + col, v_hi);

@@ -44,12 +44,42 @@ struct LinearArgs {
   void* workspace;             // LinearPlan::workspace_bytes, 256-byte aligned (null when 0)
 };
 
+// The FP8 mode of the Linear (W4A8 on FP8 tensor cores; nvfp4_gemm_fp8.cu):
+// W and x rounded to E4M3 with one FP32 scale per row, then an FP8 GEMM with
+// FP32 sums (the caller's: cuBLASLt through at::_scaled_mm). Per row of
+// values v (a W row: e2m1 * block scale, exact in FP32, the global scale left
+// out; an x row: x), in FP32 with one rounding per operation:
+//   amax = max |v|, r = 448 / amax (0 when amax is 0),
+//   code = e4m3(v * r), rounded to nearest even (|v * r| <= 448),
+//   row scale = amax * global / 448 for W, amax / 448 for x;
+// y = (sum of code products) * x row scale * W row scale (+ bias), rounded
+// once to x's dtype. The CPU kernel is this rule's reference.
+constexpr float kE4m3Max = 448.f;  // the largest finite E4M3 value
+struct Fp8WeightArgs {
+  const uint8_t* weight;       // prepacked [N, Kp/2]
+  const uint8_t* scale;        // prepacked [N, Kp/16]
+  const float* global_scale;   // [] (device pointer)
+  int64_t n, k;
+  uint8_t* out;                // [N, K] E4M3
+  float* row_scale;            // [N]
+  float* row_amax;             // [N] scratch (CUDA)
+};
+struct Fp8RowsArgs {
+  const void* x;               // [M, K] contiguous, 16-byte aligned, dtype
+  DType dtype;                 // kBFloat16 or kFloat16
+  int64_t m, k;                // k % 16 == 0
+  uint8_t* out;                // [M, K] E4M3
+  float* row_scale;            // [M]
+};
+
 void prepack_cpu(const PrepackArgs& args);
 void unpack_cpu(const UnpackArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
 cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);
 cudaError_t unpack_cuda(const UnpackArgs& args, cudaStream_t stream);
+cudaError_t fp8_weight_cuda(const Fp8WeightArgs& args, cudaStream_t stream);
+cudaError_t fp8_rows_cuda(const Fp8RowsArgs& args, cudaStream_t stream);
 
 // How the fused GEMM runs a problem, chosen on the host from the shape and
 // the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):

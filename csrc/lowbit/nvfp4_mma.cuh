@@ -166,6 +166,23 @@ __device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt,
   a[3] = Mma<T>::mul(a[3], mult_hi);
 }
 
+// Lane word w of k-tile kt (scale word sw, as decode_fragment) as floats,
+// e2m1 * block scale * 2^-8 exactly: rows g (lo) and g + 8 (hi), 4
+// consecutive columns each (the layout's K permutation). For the passes that
+// unpack or re-round the weight.
+__device__ __forceinline__ void decode_word_rows(uint32_t w, uint32_t sw, int kt, float (&lo)[4], float (&hi)[4]) {
+  uint32_t a[4];
+  decode_fragment<__nv_bfloat16>(w, sw, kt, a);
+  const uint32_t l[2] = {a[0], a[2]}, h[2] = {a[1], a[3]};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    lo[2 * j] = __uint_as_float(l[j] << 16);
+    lo[2 * j + 1] = __uint_as_float(l[j] & 0xffff0000u);
+    hi[2 * j] = __uint_as_float(h[j] << 16);
+    hi[2 * j + 1] = __uint_as_float(h[j] & 0xffff0000u);
+  }
+}
+
 // b's low (kHigh false) or high half in both halves. Feeding a multiply,
 // ptxas folds it into the operand (HMUL2 ... R.H0_H0): no instruction.
 template <bool kHigh>

@@ -1,9 +1,11 @@
 // Bindings of lowbit::nvfp4_prepack / nvfp4_linear: validation and the CPU
 // and Meta kernels (CUDA in nvfp4_linear_ops_cuda.cpp). The CPU Linear is
 // the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
-// bias added in FP32, the result in x's dtype.
+// bias added in FP32, the result in x's dtype; in the FP8 mode, the same on
+// the E4M3-rounded rows with their scales.
 #include "nvfp4_linear_ops.h"
 
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -65,7 +67,8 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda) {
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                  bool cuda) {
   if (cuda) {
     check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf});
   } else {
@@ -99,6 +102,8 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
     check_same_device(*bias, x, kLinear, "bias", "x");
     check_shape(*bias, c10::SymDimVector{weight.sym_size(0)}, kLinear, "bias");
   }
+  TORCH_CHECK_VALUE(fp8_min_rows >= 0, "lowbit.", kLinear,
+                    ": argument 'fp8_min_rows' must be >= 0 (0: never the FP8 mode), got ", fp8_min_rows);
 }
 
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight) {
@@ -123,23 +128,52 @@ std::tuple<at::Tensor, at::Tensor> prepack_meta(const at::Tensor& weight, const 
   return empty_prepack_outputs(weight);
 }
 
+// The FP8 mode's rounding of FP32 rows `v` [R, K] (nvfp4_gemm.h,
+// Fp8WeightArgs): the E4M3 values (as FP32) and each row's amax / 448.
+std::tuple<at::Tensor, at::Tensor> fp8_rows_reference(const at::Tensor& v) {
+  using nvfp4::gemm::kE4m3Max;
+  const at::Tensor amax = v.abs().amax(1);
+  const at::Tensor r = at::where(amax > 0, at::div(at::scalar_tensor(kE4m3Max, amax.options()), amax),
+                                 at::zeros_like(amax));
+  const at::Tensor codes = (v * r.unsqueeze(1)).to(at::kFloat8_e4m3fn).to(at::kFloat);
+  return {codes, amax};
+}
+
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                      const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
-  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/false);
+                      const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
   const int64_t k = x.size(-1), n = weight.size(0);
   auto w = weight.contiguous();
   auto s = weight_scale.contiguous();
   auto g = weight_global.contiguous();
-  at::Tensor dequant = at::empty({n, k}, x.options().dtype(at::kFloat));
-  nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, dequant));
-  at::Tensor y = at::matmul(x.to(at::kFloat), dequant.t());
+  const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  at::Tensor y;
+  if (linear_uses_fp8(m, fp8_min_rows) && k > 0) {
+    // The FP8 mode: e2m1 * block scale per W row and x per row rounded to
+    // E4M3, an FP32 GEMM of the codes, the row scales (the global scale in
+    // W's) applied to the FP32 sums.
+    using nvfp4::gemm::kE4m3Max;
+    const at::Tensor one = at::ones({}, g.options());
+    at::Tensor w_unscaled = at::empty({n, k}, x.options().dtype(at::kFloat));
+    nvfp4::gemm::unpack_cpu(unpack_args(w, s, one, w_unscaled));
+    auto [w8, w_amax] = fp8_rows_reference(w_unscaled);
+    auto [x8, x_amax] = fp8_rows_reference(x.reshape({m, k}).to(at::kFloat));
+    const at::Tensor w_scale = w_amax * g / kE4m3Max, x_scale = x_amax / kE4m3Max;
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = n;
+    y = (at::matmul(x8, w8.t()) * x_scale.unsqueeze(1) * w_scale.unsqueeze(0)).view(out_shape);
+  } else {
+    at::Tensor dequant = at::empty({n, k}, x.options().dtype(at::kFloat));
+    nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, dequant));
+    y = at::matmul(x.to(at::kFloat), dequant.t());
+  }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
-  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/false);
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
   return at::empty_symint(linear_output_shape(x, weight), x.options());
 }
 

@@ -30,9 +30,14 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 
 // Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
 // [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32
-// and bias [N] in x's dtype, all on x's device.
+// and bias [N] in x's dtype, all on x's device, and fp8_min_rows >= 0.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, bool cuda);
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                  bool cuda);
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight);
+
+// Whether a call of m rows runs the FP8 mode (nvfp4_gemm.h, Fp8WeightArgs):
+// fp8_min_rows > 0 and m >= fp8_min_rows.
+inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_rows > 0 && m >= fp8_min_rows; }
 
 }  // namespace lowbit::ops

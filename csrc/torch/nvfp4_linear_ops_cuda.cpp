@@ -4,7 +4,8 @@
 // to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
 // kernel's x image), taken from the caching allocator. Above that
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
-// included) into a temporary and cuBLAS runs through at::linear.
+// included) into a temporary and cuBLAS runs through at::linear. From
+// fp8_min_rows rows (when set) the FP8 mode runs instead (linear_fp8_cuda).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,9 +37,40 @@ std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const 
   return out;
 }
 
+// The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/nvfp4_gemm_fp8.cu),
+// then cuBLASLt's FP8 GEMM with the row scales and the bias in its epilogue.
+at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
+                           const c10::optional<at::Tensor>& bias, cudaStream_t stream) {
+  const int64_t m = x2.size(0), k = x2.size(1), n = w.size(0);
+  at::Tensor w8 = at::empty({n, k}, x2.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor w_scale = at::empty({1, n}, x2.options().dtype(at::kFloat));
+  at::Tensor w_amax = at::empty({n}, x2.options().dtype(at::kFloat));
+  gemm::Fp8WeightArgs wa{};
+  wa.weight = w.data_ptr<uint8_t>();
+  wa.scale = s.data_ptr<uint8_t>();
+  wa.global_scale = g.data_ptr<float>();
+  wa.n = n;
+  wa.k = k;
+  wa.out = reinterpret_cast<uint8_t*>(w8.data_ptr());
+  wa.row_scale = w_scale.data_ptr<float>();
+  wa.row_amax = w_amax.data_ptr<float>();
+  C10_CUDA_CHECK(gemm::fp8_weight_cuda(wa, stream));
+  at::Tensor x8 = at::empty({m, k}, x2.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor x_scale = at::empty({m, 1}, x2.options().dtype(at::kFloat));
+  gemm::Fp8RowsArgs xa{};
+  xa.x = x2.data_ptr();
+  xa.dtype = to_lowbit_dtype(x2.scalar_type());
+  xa.m = m;
+  xa.k = k;
+  xa.out = reinterpret_cast<uint8_t*>(x8.data_ptr());
+  xa.row_scale = x_scale.data_ptr<float>();
+  C10_CUDA_CHECK(gemm::fp8_rows_cuda(xa, stream));
+  return at::_scaled_mm(x8, w8.t(), x_scale, w_scale, bias, c10::nullopt, x2.scalar_type(), /*use_fast_accum=*/false);
+}
+
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias) {
-  check_linear(x, weight, weight_scale, weight_global, bias, /*cuda=*/true);
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/true);
   check_sm90(x, "nvfp4_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -55,6 +87,11 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
+  if (linear_uses_fp8(m, fp8_min_rows)) {
+    c10::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->contiguous();
+    return linear_fp8_cuda(x2, w, s, g, b, stream).view(out_shape);
+  }
   const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
   if (plan.path == gemm::LinearPath::kUnpack) {
     at::Tensor dequant = at::empty({n, k}, x.options());

@@ -57,9 +57,13 @@ TORCH_LIBRARY(lowbit, m) {
   // weight (uint8 [N, K/2], E4M3 scales [N, K/16]) once, at load time, to
   // (uint8 [N, Kp/2], uint8 [N, Kp/16]), Kp = K rounded up to 128, the same
   // layout on every device. nvfp4_linear: x [..., K] -> [..., N] in x's
-  // dtype, y = x W^T * weight_global (+ bias [N], x's dtype).
+  // dtype, y = x W^T * weight_global (+ bias [N], x's dtype). From
+  // fp8_min_rows rows of x (0: never) it runs the FP8 mode instead: W and x
+  // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/nvfp4_gemm.h).
   m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
-  m.def("nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None) -> Tensor");
+  m.def(
+      "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
+      "int fp8_min_rows=0) -> Tensor");
 
   // NVFP4 MoE experts, W4A16 (nvfp4_moe_ops.cpp; kernels in
   // csrc/lowbit/nvfp4_moe.cu). nvfp4_moe_prepack converts stacked checkpoint

@@ -36,13 +36,24 @@ def nvfp4_prepack(weight: Tensor, weight_scale: Tensor) -> Nvfp4PrepackedWeight:
 
 
 def nvfp4_linear(
-    x: Tensor, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_global: Tensor,
+    bias: Tensor | None = None,
+    fp8_min_rows: int = 0,
 ) -> Tensor:
     """y = x W^T * weight_global (+ bias): x [..., K] bf16/fp16 (fp32 on CPU),
     ``weight`` / ``weight_scale`` from :func:`nvfp4_prepack`, ``weight_global``
     float32 [] (ModelOpt's ``weight_scale_2``), bias [N] in x's dtype.
-    Returns [..., N] in x's dtype."""
-    return torch.ops.lowbit.nvfp4_linear(x, weight, weight_scale, weight_global, bias)
+    Returns [..., N] in x's dtype.
+
+    ``fp8_min_rows`` > 0 turns on the FP8 mode for calls with at least that
+    many rows of x (the product of its leading dimensions): W and x are
+    rounded to FP8 E4M3 with one scale per row and multiplied on the FP8
+    tensor cores. Faster at large M (docs/PERF.md), with an extra error of
+    about 4e-2 relative (README.md, Formats); 0, the default, never uses it."""
+    return torch.ops.lowbit.nvfp4_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows)
 
 
 def _progress(done: int, total: int, name: str) -> None:
@@ -58,11 +69,14 @@ def quantize_(
     model: nn.Module,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     progress: bool = True,
+    fp8_min_rows: int = 0,
 ) -> nn.Module:
     """Replaces, in place, every ``nn.Linear`` of ``model`` for which
     ``filter_fn(module, qualified_name)`` is true (all by default; layers whose
     in/out features are not multiples of 16 are always skipped) with an
-    :class:`lowbit.nn.Nvfp4Linear` quantized from its weight. Returns model."""
+    :class:`lowbit.nn.Nvfp4Linear` quantized from its weight, in the FP8 mode
+    from ``fp8_min_rows`` rows (0: never; see :func:`nvfp4_linear`).
+    Returns model."""
     from .nn.linear import Nvfp4Linear
 
     targets = [
@@ -77,7 +91,9 @@ def quantize_(
     for i, (name, mod) in enumerate(targets):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Nvfp4Linear.from_linear(mod))
+        layer = Nvfp4Linear.from_linear(mod)
+        layer.fp8_min_rows = fp8_min_rows
+        setattr(parent, child, layer)
         if progress:
             _progress(i + 1, len(targets), name)
     return model

@@ -47,6 +47,34 @@ def reference(x, deq, bias=None):
     return y
 
 
+def fp8_mode_reference(x, q, bias=None):
+    """The FP8 mode's rule (README.md, Formats) from the checkpoint tensors, in
+    plain torch: each W row (e2m1 * block scale, global left out) and each x
+    row times 448 / its amax, rounded to E4M3; the codes' products summed in
+    float64 and scaled by amax_x / 448 and amax_w * global / 448."""
+
+    def rows(v):
+        amax = v.abs().amax(1)
+        # 448 / amax rounded once (`448.0 / amax` would multiply by a rounded reciprocal)
+        r = torch.where(amax > 0, torch.full_like(amax, 448.0) / amax, torch.zeros_like(amax))
+        return (v * r[:, None]).to(torch.float8_e4m3fn).double(), amax
+
+    w = ref.dequantize(q.packed, q.block_scale.view(torch.uint8), torch.ones(()))
+    w8, w_amax = rows(w)
+    x8, x_amax = rows(x.reshape(-1, x.shape[-1]).float())
+    w_scale = (w_amax * q.global_scale.float()) / 448.0
+    y = (x8 @ w8.T) * (x_amax / 448.0).double()[:, None] * w_scale.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+# Extra error of the FP8 mode against the W4A16 result (E4M3 keeps 3
+# mantissa bits of x and of W: ~3% per element each; measured 3.9-4.1e-2 on
+# Gaussian data, docs/PERF.md).
+FP8_MODE_TOL = 6e-2
+
+
 # ---------------------------------------------------------------- CPU -------
 
 
@@ -160,6 +188,52 @@ def test_bad_inputs_raise_clear_errors():
         Nvfp4Linear(20, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_mode_matches_its_rule(dtype):
+    # fp8_min_rows: from that many rows of x (the product of the leading
+    # dimensions) W and x are rounded to E4M3 per row. The CPU kernel is the
+    # mode's reference; here it is checked against the rule written out in
+    # plain torch, and against the W4A16 result within the mode's error.
+    gen = torch.Generator().manual_seed(31)
+    _, q, deq, pw, ps, g = make_weight(48, 400, gen)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(2, 3, 400, generator=gen).to(dtype)
+    x[1, 2] = 0  # a zero row: its output is the bias
+    for b in (None, bias):
+        y = lowbit.nvfp4_linear(x, pw, ps, g, b, fp8_min_rows=6)
+        want = fp8_mode_reference(x, q, b)
+        tol = 1e-6 if dtype == torch.float32 else 4e-3  # float32 sums in another order / the output's rounding
+        assert rel_err(y, want) <= tol
+        assert rel_err(y, reference(x, deq, b)) <= FP8_MODE_TOL
+        assert torch.equal(y[1, 2], b if b is not None else torch.zeros(48, dtype=dtype))
+        # below the threshold: the W4A16 result, bit for bit
+        assert torch.equal(lowbit.nvfp4_linear(x, pw, ps, g, b, fp8_min_rows=7), lowbit.nvfp4_linear(x, pw, ps, g, b))
+    assert not torch.equal(y, lowbit.nvfp4_linear(x, pw, ps, g, bias))
+    assert lowbit.nvfp4_linear(x[:0], pw, ps, g, bias, fp8_min_rows=1).shape == (0, 3, 48)
+    with pytest.raises(ValueError, match=r"'fp8_min_rows' must be >= 0 \(0: never the FP8 mode\), got -2"):
+        lowbit.nvfp4_linear(x, pw, ps, g, fp8_min_rows=-2)
+
+
+def test_fp8_mode_in_the_module():
+    gen = torch.Generator().manual_seed(32)
+    lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
+    q = Nvfp4Linear.from_linear(lin)
+    assert q.fp8_min_rows == 0 and "fp8_min_rows" not in repr(q)
+    x = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
+    w4 = q(x)
+    q.fp8_min_rows = 8
+    assert "fp8_min_rows=8" in repr(q)
+    assert set(q.state_dict()) == {"weight", "weight_scale", "weight_global", "bias"}
+    y = q(x)
+    assert not torch.equal(y, w4) and rel_err(y, w4) <= FP8_MODE_TOL
+    assert torch.equal(q(x[:7]), w4[:7])
+    model = lowbit.quantize_(torch.nn.Sequential(torch.nn.Linear(128, 64)).to(torch.bfloat16), progress=False,
+                             fp8_min_rows=1024)
+    assert model[0].fp8_min_rows == 1024
+    with pytest.raises(ValueError, match=r"fp8_min_rows must be >= 0"):
+        Nvfp4Linear(128, 64, fp8_min_rows=-1)
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(6)
     _, q, _, pw, ps, g = make_weight(32, 144, gen)
@@ -167,6 +241,7 @@ def test_opcheck():
     bias = torch.randn(32, generator=gen).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x, pw, ps, g, bias))
     torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x.view(5, 1, 144), pw, ps, g))
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x, pw, ps, g, bias, 4))  # the FP8 mode
     # uint8 E4M3 codes: all four default tests (float8 inputs cannot be
     # compared by test_schema, see test_nvfp4_quant.test_opcheck)
     torch.library.opcheck(torch.ops.lowbit.nvfp4_prepack.default, (q.packed, q.block_scale.view(torch.uint8)))
@@ -217,12 +292,13 @@ def test_quantize_swaps_linears_in_place(capsys):
 
 
 class Stack(torch.nn.Module):
-    def __init__(self, dims, device="cpu"):
+    def __init__(self, dims, device="cpu", fp8_min_rows=0):
         super().__init__()
         layers = []
         for i in range(len(dims) - 1):
             lin = torch.nn.Linear(dims[i], dims[i + 1]).to(device=device, dtype=torch.bfloat16)
             layers.append(Nvfp4Linear.from_linear(lin))
+            layers[-1].fp8_min_rows = fp8_min_rows
         self.layers = torch.nn.ModuleList(layers)
 
     def forward(self, x):
@@ -237,8 +313,10 @@ class Stack(torch.nn.Module):
 size_oblivious = torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 
-def test_compile_fullgraph_dynamic_no_recompile():
-    model = Stack([64, 128, 48, 32])
+@pytest.mark.parametrize("fp8_min_rows", [0, 64])
+def test_compile_fullgraph_dynamic_no_recompile(fp8_min_rows):
+    # With the FP8 mode from 64 rows, M crosses it inside the op: one graph.
+    model = Stack([64, 128, 48, 32], fp8_min_rows=fp8_min_rows)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     with size_oblivious:
@@ -699,32 +777,65 @@ def test_cuda_wrong_device_arguments():
 
 
 @cuda
-def test_cuda_compile_no_recompile_and_reduce_overhead_bitwise():
-    model = Stack([1024, 2048, 512], device="cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(48, 1168), (4096, 2048), (1024, 7168)])
+def test_cuda_fp8_mode_matches_cpu(dtype, n, k):
+    # The FP8 mode on the GPU (E4M3 rows by lowbit's kernels, cuBLASLt's FP8
+    # GEMM) against the CPU kernel, its reference: the same codes and
+    # scales, so only the order of the FP32 sums and the output's rounding
+    # differ. K = 1168 leaves the last k-tile partial (its padding blocks
+    # must not enter a row's amax). Odd M with a bias; fresh data per M.
+    gen = torch.Generator().manual_seed(n + k)
+    _, q, deq, pw, ps, g = make_weight(n, k, gen)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for m in (1, 17, 300, 2100):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        b = bias if m % 2 else None
+        want = lowbit.nvfp4_linear(x, pw, ps, g, b, fp8_min_rows=1)
+        args = (x.cuda(), pw.cuda(), ps.cuda(), g.cuda(), None if b is None else b.cuda())
+        y = lowbit.nvfp4_linear(*args, fp8_min_rows=1)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert rel_err(y.cpu(), want) <= 4e-3, m
+        assert rel_err(y.cpu(), reference(x, deq, b)) <= FP8_MODE_TOL, m
+        assert torch.equal(y, lowbit.nvfp4_linear(*args, fp8_min_rows=1))  # deterministic
+        assert torch.equal(lowbit.nvfp4_linear(*args, fp8_min_rows=m + 1), lowbit.nvfp4_linear(*args))
+
+
+@cuda
+@pytest.mark.parametrize(
+    "fp8_min_rows,ms,graph_ms",
+    [(0, (1, 7, 64, 65, 4096), (4, 4, 4, 32, 32, 32)), (64, (1, 63, 64, 300, 4096), (300, 300, 300))],
+)
+def test_cuda_compile_no_recompile_and_reduce_overhead_bitwise(fp8_min_rows, ms, graph_ms):
+    # One graph across M (with the FP8 mode from 64 rows: as M crosses it
+    # too), and CUDA graphs bitwise the eager result.
+    model = Stack([1024, 2048, 512], device="cuda", fp8_min_rows=fp8_min_rows)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     with size_oblivious:
-        for m in (1, 7, 64, 65, 4096):
+        for m in ms:
             x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(compiled(x), model(x))
     assert counter.frame_count == 1
     torch._dynamo.reset()
     graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    for m in (4, 4, 4, 32, 32, 32):
+    for m in graph_ms:
         x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(graphed(x), model(x))
 
 
 @cuda
 def test_cuda_no_host_sync_in_forward():
-    model = Stack([512, 256, 256], device="cuda")
+    models = [Stack([512, 256, 256], device="cuda"), Stack([512, 256, 256], device="cuda", fp8_min_rows=100)]
     xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 200)]
-    for x in xs:
-        model(x)  # warm up (allocator, cuBLAS handles)
+    for model in models:
+        for x in xs:
+            model(x)  # warm up (allocator, cuBLAS handles)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for x in xs:
-            model(x)
+        for model in models:
+            for x in xs:
+                model(x)
     finally:
         torch.cuda.set_sync_debug_mode(0)

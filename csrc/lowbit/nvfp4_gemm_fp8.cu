@@ -1,0 +1,220 @@
+// The NVFP4 Linear's FP8 mode: the prepacked weight and x rounded to E4M3
+// with a scale per row (the rule in nvfp4_gemm.h, Fp8WeightArgs), for an FP8
+// GEMM on the tensor cores (the caller runs it).
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "lowbit/cuda_utils.cuh"
+#include "lowbit/nvfp4_gemm.h"
+#include "lowbit/nvfp4_mma.cuh"
+
+namespace lowbit::nvfp4::gemm {
+namespace {
+
+constexpr int kFp8Threads = 256;
+
+// Round to nearest even E4M3 (values past 448 saturate; the rule never
+// makes one past 448 by more than a rounding).
+__device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4]) {
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2], v[3]), __NV_SATFINITE, __NV_E4M3);
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+// max over the CTA of each thread's `v` (>= 0), for every thread.
+__device__ __forceinline__ float cta_max(float v, float* red) {
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < kFp8Threads / 32; ++w) v = fmaxf(v, red[w]);
+  return v;
+}
+
+// The W kernels: thread i takes the 16 bytes i of the prepacked codes, lane
+// words 4q..4q+3 (q = i % 64) of k-tile i / 64: 4 words of the same two
+// rows (g and g + 8 of lane q % 32, as in unpack_kernel) at 16-column blocks
+// kt = 4 (q / 32) + j, whose scales are the two words at byte g * 16 +
+// 8 (q / 32) of the tile's. Words past K (padding blocks) are left out.
+struct Fp8WeightQuad {
+  int64_t tile, row, col;  // the k-tile, row g, column of word 0 (word j: + 16 j)
+  int half, g;
+  __device__ __forceinline__ Fp8WeightQuad(int64_t i, int64_t tiles_k) {
+    const int q = static_cast<int>(i % 64), lane = q % 32;
+    tile = i / 64;
+    half = q / 32;
+    g = lane / 4;
+    row = (tile / tiles_k) * kTileN + g;
+    col = (tile % tiles_k) * kTileK + 4 * half * 16 + (lane % 4) * 4;
+  }
+  // Word j's values, e2m1 * block scale (exact): rows g (lo) and g + 8
+  // (hi), 4 columns each.
+  __device__ __forceinline__ void decode(const uint4& w4, const uint2& s2, int j, float (&lo)[4],
+                                         float (&hi)[4]) const {
+    const uint32_t word = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
+    mma::decode_word_rows(word, j < 2 ? s2.x : s2.y, 4 * half + j, lo, hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo[i] *= kDecodeUnscale;
+      hi[i] *= kDecodeUnscale;
+    }
+  }
+  __device__ __forceinline__ uint2 scales(const uint8_t* scale) const {
+    return __ldg(reinterpret_cast<const uint2*>(scale + tile * kTileScaleBytes + g * 16 + 8 * half));
+  }
+};
+
+// Each row's amax, as float bits (>= 0: they order as unsigned) maxed into
+// row_amax (zeroed before): the 4 lanes of a row in a warp combine first.
+__global__ void __launch_bounds__(kFp8Threads) fp8_weight_amax_kernel(const uint4* __restrict__ weight,
+                                                                      const uint8_t* __restrict__ scale,
+                                                                      int64_t quads, int64_t tiles_k, int64_t k,
+                                                                      unsigned* __restrict__ row_amax) {
+  const int64_t i = int64_t(blockIdx.x) * kFp8Threads + threadIdx.x;
+  if (i >= quads) return;  // whole warps: quads is a multiple of 64
+  const Fp8WeightQuad p(i, tiles_k);
+  const uint4 w4 = __ldg(weight + i);
+  const uint2 s2 = p.scales(scale);
+  float amax_lo = 0.f, amax_hi = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (p.col + 16 * j >= k) continue;
+    float lo[4], hi[4];
+    p.decode(w4, s2, j, lo, hi);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      amax_lo = fmaxf(amax_lo, fabsf(lo[e]));
+      amax_hi = fmaxf(amax_hi, fabsf(hi[e]));
+    }
+  }
+  for (int o = 1; o < 4; o *= 2) {
+    amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
+    amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
+  }
+  if (threadIdx.x % 4 == 0) {
+    atomicMax(row_amax + p.row, __float_as_uint(amax_lo));
+    atomicMax(row_amax + p.row + 8, __float_as_uint(amax_hi));
+  }
+}
+
+// The 4 lanes of a row (lane % 4 = s) hold its codes at columns 16 j + 4 s
+// (word j, j = 0..3, from a base): transposed, lane r gets those at 16 r ..
+// 16 r + 15 (codes[0..3] = columns 16 r + 4 s, s = 0..3), for one 16-byte
+// store.
+__device__ __forceinline__ uint4 transpose_quad(const uint32_t (&codes)[4]) {
+  const int r = static_cast<int>(threadIdx.x % 4);
+  uint32_t got[4];
+#pragma unroll
+  for (int d = 0; d < 4; ++d) {
+    const int send = (r - d) & 3, from = (r + d) & 3;  // this lane sends word `send`, reads lane `from`'s
+    const uint32_t mine = send == 0 ? codes[0] : send == 1 ? codes[1] : send == 2 ? codes[2] : codes[3];
+    const uint32_t v = d == 0 ? mine : __shfl_sync(0xffffffffu, mine, (threadIdx.x & ~3u) | unsigned(from));
+    if (from == 0) got[0] = v;
+    if (from == 1) got[1] = v;
+    if (from == 2) got[2] = v;
+    if (from == 3) got[3] = v;
+  }
+  return make_uint4(got[0], got[1], got[2], got[3]);
+}
+
+// The codes, from row_amax; the first k-tile's threads of lane % 4 == 0
+// and half 0 write their rows' scales.
+__global__ void __launch_bounds__(kFp8Threads) fp8_weight_codes_kernel(
+    const uint4* __restrict__ weight, const uint8_t* __restrict__ scale, const float* __restrict__ global_scale,
+    const unsigned* __restrict__ row_amax, int64_t quads, int64_t tiles_k, int64_t k, uint8_t* __restrict__ out,
+    float* __restrict__ row_scale) {
+  const int64_t i = int64_t(blockIdx.x) * kFp8Threads + threadIdx.x;
+  if (i >= quads) return;
+  const Fp8WeightQuad p(i, tiles_k);
+  const uint4 w4 = __ldg(weight + i);
+  const uint2 s2 = p.scales(scale);
+  const float max_lo = __uint_as_float(__ldg(row_amax + p.row)), max_hi = __uint_as_float(__ldg(row_amax + p.row + 8));
+  const float r_lo = max_lo > 0.f ? kE4m3Max / max_lo : 0.f, r_hi = max_hi > 0.f ? kE4m3Max / max_hi : 0.f;
+  if (p.tile % tiles_k == 0 && p.half == 0 && threadIdx.x % 4 == 0) {
+    const float gs = __ldg(global_scale);
+    row_scale[p.row] = max_lo * gs / kE4m3Max;
+    row_scale[p.row + 8] = max_hi * gs / kE4m3Max;
+  }
+  uint32_t codes_lo[4], codes_hi[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float lo[4], hi[4];
+    p.decode(w4, s2, j, lo, hi);  // padding blocks decode to zeros, not stored
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo[e] *= r_lo;
+      hi[e] *= r_hi;
+    }
+    codes_lo[j] = e4m3x4(lo);
+    codes_hi[j] = e4m3x4(hi);
+  }
+  const uint4 row_lo = transpose_quad(codes_lo), row_hi = transpose_quad(codes_hi);
+  const int64_t col = p.col - (threadIdx.x % 4) * 4 + 16 * (threadIdx.x % 4);  // the block this lane stores
+  if (col < k) {
+    *reinterpret_cast<uint4*>(out + p.row * k + col) = row_lo;
+    *reinterpret_cast<uint4*>(out + (p.row + 8) * k + col) = row_hi;
+  }
+}
+
+// One CTA per row of x: its amax, then its codes (the row again, from L2).
+template <typename T>
+__global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restrict__ x, int64_t k,
+                                                               uint8_t* __restrict__ out,
+                                                               float* __restrict__ row_scale) {
+  __shared__ float red[kFp8Threads / 32];
+  const int64_t row = blockIdx.x;
+  const T* src = x + row * k;  // 8 elements a load
+  const int64_t chunks = k / 8;
+  float amax = 0.f;
+#pragma unroll 4
+  for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
+    float v[8];
+    cuda::load8(src + 8 * c, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  }
+  amax = cta_max(amax, red);
+  const float r = amax > 0.f ? kE4m3Max / amax : 0.f;
+  if (threadIdx.x == 0) row_scale[row] = amax / kE4m3Max;
+  uint2* dst = reinterpret_cast<uint2*>(out + row * k);
+#pragma unroll 4
+  for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
+    float v[8];
+    cuda::load8(src + 8 * c, v);
+    float a[4] = {v[0] * r, v[1] * r, v[2] * r, v[3] * r}, b[4] = {v[4] * r, v[5] * r, v[6] * r, v[7] * r};
+    dst[c] = make_uint2(e4m3x4(a), e4m3x4(b));
+  }
+}
+
+}  // namespace
+
+cudaError_t fp8_weight_cuda(const Fp8WeightArgs& a, cudaStream_t stream) {
+  if (a.n == 0 || a.k == 0) return cudaSuccess;
+  const int64_t kp = padded_k(a.k), quads = a.n * kp / 32, tiles_k = kp / kTileK;
+  const unsigned blocks = unsigned(cuda::ceil_div(quads, kFp8Threads));
+  auto* amax = reinterpret_cast<unsigned*>(a.row_amax);
+  cudaError_t err = cudaMemsetAsync(amax, 0, a.n * sizeof(unsigned), stream);
+  if (err != cudaSuccess) return err;
+  const auto* w = reinterpret_cast<const uint4*>(a.weight);
+  fp8_weight_amax_kernel<<<blocks, kFp8Threads, 0, stream>>>(w, a.scale, quads, tiles_k, a.k, amax);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  fp8_weight_codes_kernel<<<blocks, kFp8Threads, 0, stream>>>(w, a.scale, a.global_scale, amax, quads, tiles_k, a.k,
+                                                             a.out, a.row_scale);
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_rows_cuda(const Fp8RowsArgs& a, cudaStream_t stream) {
+  if (a.m == 0 || a.k == 0) return cudaSuccess;
+  if (a.dtype == DType::kBFloat16)
+    fp8_rows_kernel<__nv_bfloat16><<<unsigned(a.m), kFp8Threads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(a.x), a.k, a.out, a.row_scale);
+  else if (a.dtype == DType::kFloat16)
+    fp8_rows_kernel<__half><<<unsigned(a.m), kFp8Threads, 0, stream>>>(static_cast<const __half*>(a.x), a.k,
+                                                                       a.out, a.row_scale);
+  else
+    return cudaErrorInvalidValue;
+  return cudaGetLastError();
+}
+
+}  // namespace lowbit::nvfp4::gemm
