@@ -7,6 +7,10 @@ Floor per row: max(bytes / measured HBM bandwidth, flops / measured BF16
 peak), bytes = x + NVFP4 weight (0.5625 B/weight) + output. Columns:
 x_bf16 / x_fp8 = their time over ours (speedup), %bw = NVFP4 weight+x+out
 bytes / time over measured bandwidth, %floor = floor / time.
+
+From FP8_MODE_MS rows, the FP8 mode (fp8_min_rows: W and x rounded to E4M3
+per row, an FP8 GEMM) is timed in the same turns: fp8mode_us, x_bf16_fp8mode
+(cuBLAS BF16 over it) and %floor_fp8 (its floor with the measured FP8 peak).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ SHAPES = [
     (7168, 18432), (18432, 7168), (7168, 4096), (2048, 7168), (1536, 24576),
 ]  # (K, N)
 QUICK_MS = [1, 4, 16, 64, 256, 4096]
+FP8_MODE_MS = 1024  # the FP8 mode's rows from this M
 QUICK_SHAPES = [(4096, 4096), (7168, 18432), (2048, 7168), (4096, 1536)]
 
 
@@ -56,11 +61,14 @@ def run(hw: Hardware, quick: bool):
         for m in QUICK_MS if quick else MS:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(n_sets, n_bf16))]
             x8 = [x.to(torch.float8_e4m3fn) for x in xs]
-            t4, tb, t8 = time_calls_in_turns([
+            providers = [
                 (lambda i: lowbit.nvfp4_linear(xs[i], *weights[i][1:]), n_sets),
                 (lambda i: F.linear(xs[i], weights[i][0]), n_bf16),
                 (lambda i: torch._scaled_mm(x8[i], w8[i], scale_a=one, scale_b=one, out_dtype=torch.bfloat16), n_bf16),
-            ])
+            ]
+            if m >= FP8_MODE_MS:
+                providers.append((lambda i: lowbit.nvfp4_linear(xs[i], *weights[i][1:], fp8_min_rows=1), n_sets))
+            t4, tb, t8, *t_mode = time_calls_in_turns(providers)
             moved = fp4_bytes + m * k * 2 + m * n * 2
             floor = hw.floor_s(moved, 2.0 * m * n * k)
             rows.append({
@@ -71,9 +79,13 @@ def run(hw: Hardware, quick: bool):
                 "%bw": 100 * moved / t4 / hw.hbm_bytes_per_s,
                 "floor_us": floor * 1e6, "%floor": 100 * floor / t4,
             })
+            if t_mode:
+                floor8 = hw.floor_s(moved, 2.0 * m * n * k, fp8=True)
+                rows[-1].update({"fp8mode_us": t_mode[0] * 1e6, "x_bf16_fp8mode": tb / t_mode[0],
+                                 "%floor_fp8": 100 * floor8 / t_mode[0]})
             del xs, x8
         del weights, w8
         torch.cuda.empty_cache()
     columns = ["K", "N", "M", "wMB", "nvfp4_us", "bf16_us", "fp8_us", "x_bf16", "x_fp8", "TFLOP/s", "%bw",
-               "floor_us", "%floor"]
+               "floor_us", "%floor", "fp8mode_us", "x_bf16_fp8mode", "%floor_fp8"]
     return rows, columns
