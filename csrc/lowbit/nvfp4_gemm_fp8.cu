@@ -48,12 +48,16 @@ struct Fp8WeightQuad {
     row = (tile / tiles_k) * kTileN + g;
     col = (tile % tiles_k) * kTileK + 4 * half * 16 + (lane % 4) * 4;
   }
+  // Word j of the 16 bytes, and its scale word.
+  __device__ __forceinline__ static uint32_t word(const uint4& w4, int j) {
+    return j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
+  }
+  __device__ __forceinline__ static uint32_t scale_word(const uint2& s2, int j) { return j < 2 ? s2.x : s2.y; }
   // Word j's values, e2m1 * block scale (exact): rows g (lo) and g + 8
   // (hi), 4 columns each.
   __device__ __forceinline__ void decode(const uint4& w4, const uint2& s2, int j, float (&lo)[4],
                                          float (&hi)[4]) const {
-    const uint32_t word = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
-    mma::decode_word_rows(word, j < 2 ? s2.x : s2.y, 4 * half + j, lo, hi);
+    mma::decode_word_rows(word(w4, j), scale_word(s2, j), 4 * half + j, lo, hi);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       lo[i] *= kDecodeUnscale;
@@ -82,9 +86,9 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_weight_amax_kernel(const uint
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     if (p.col + 16 * j >= k) continue;
-    const uint32_t word = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
     uint32_t a[4];  // bf16 pairs: a[0], a[2] row g; a[1], a[3] row g + 8
-    mma::decode_fragment<__nv_bfloat16>(word, j < 2 ? s2.x : s2.y, 4 * p.half + j, a);
+    mma::decode_fragment<__nv_bfloat16>(Fp8WeightQuad::word(w4, j), Fp8WeightQuad::scale_word(s2, j), 4 * p.half + j,
+                                        a);
     const auto* b = reinterpret_cast<const __nv_bfloat162*>(a);
     max_lo = __hmax2(max_lo, __hmax2(__habs2(b[0]), __habs2(b[2])));
     max_hi = __hmax2(max_hi, __hmax2(__habs2(b[1]), __habs2(b[3])));
