@@ -6,8 +6,9 @@ _load()
 
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
-from .linear import nvfp4_linear, nvfp4_prepack, quantize_  # noqa: E402
+from .linear import nvfp4_linear, nvfp4_prepack  # noqa: E402
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack  # noqa: E402
+from .quantize import quantize_  # noqa: E402
 
 __version__ = "0.1.0"
 

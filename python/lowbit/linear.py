@@ -1,6 +1,6 @@
 """NVFP4 Linear (W4A16): typed wrappers of ``lowbit::nvfp4_prepack`` /
-``lowbit::nvfp4_linear`` and ``quantize_``, which swaps ``nn.Linear`` layers
-for :class:`lowbit.nn.Nvfp4Linear` in place.
+``lowbit::nvfp4_linear`` (:func:`lowbit.quantize_` swaps a model's
+``nn.Linear`` layers for :class:`lowbit.nn.Nvfp4Linear`).
 
 The weight is prepacked once, at load time, into the layout of
 ``csrc/lowbit/nvfp4_gemm_layout.h`` (the same on CPU and GPU, so a module can
@@ -13,11 +13,10 @@ does an FP32 matmul.
 
 from __future__ import annotations
 
-import sys
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 
 class Nvfp4PrepackedWeight(NamedTuple):
@@ -54,46 +53,3 @@ def nvfp4_linear(
     tensor cores. Faster at large M (docs/PERF.md), with an extra error of
     about 4e-2 relative (README.md, Formats); 0, the default, never uses it."""
     return torch.ops.lowbit.nvfp4_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows)
-
-
-def _progress(done: int, total: int, name: str) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\rlowbit.quantize_ [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
-def quantize_(
-    model: nn.Module,
-    filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    progress: bool = True,
-    fp8_min_rows: int = 0,
-) -> nn.Module:
-    """Replaces, in place, every ``nn.Linear`` of ``model`` for which
-    ``filter_fn(module, qualified_name)`` is true (all by default; layers whose
-    in/out features are not multiples of 16 are always skipped) with an
-    :class:`lowbit.nn.Nvfp4Linear` quantized from its weight, in the FP8 mode
-    from ``fp8_min_rows`` rows (0: never; see :func:`nvfp4_linear`).
-    Returns model."""
-    from .nn.linear import Nvfp4Linear
-
-    targets = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear)
-        and not isinstance(mod, Nvfp4Linear)
-        and mod.in_features % 16 == 0
-        and mod.out_features % 16 == 0
-        and (filter_fn is None or filter_fn(mod, name))
-    ]
-    for i, (name, mod) in enumerate(targets):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        layer = Nvfp4Linear.from_linear(mod)
-        layer.fp8_min_rows = fp8_min_rows
-        setattr(parent, child, layer)
-        if progress:
-            _progress(i + 1, len(targets), name)
-    return model

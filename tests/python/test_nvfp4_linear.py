@@ -291,6 +291,22 @@ def test_quantize_swaps_linears_in_place(capsys):
     assert F.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0) > 0.98
 
 
+def test_quantize_leaves_linear_subclasses_with_their_own_forward():
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Tagged(torch.nn.Linear):  # the same math: converted
+        pass
+
+    model = torch.nn.Sequential(Doubled(64, 64), Tagged(64, 64)).to(torch.bfloat16)
+    lowbit.quantize_(model, progress=False)
+    assert type(model[0]) is Doubled
+    assert isinstance(model[1], Nvfp4Linear)
+    with pytest.raises(TypeError, match="argument 'linear' must be an nn.Linear computing x W\\^T \\+ b, got Doubled"):
+        Nvfp4Linear.from_linear(Doubled(64, 64))
+
+
 class Stack(torch.nn.Module):
     def __init__(self, dims, device="cpu", fp8_min_rows=0):
         super().__init__()

@@ -81,9 +81,22 @@ class Nvfp4Linear(nn.Module):
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
         return cls.from_checkpoint(weight_packed, weight_scale, 1.0 / weight_global_scale.float(), bias)
 
+    @staticmethod
+    def computes_like(linear: nn.Linear) -> bool:
+        """Whether ``linear`` computes ``x W^T + b``: an ``nn.Linear`` whose
+        class keeps ``nn.Linear.forward`` (a subclass may reuse the weight for
+        something else, e.g. transformers' block-diagonal
+        ``DeepseekV4GroupedLinear``)."""
+        return isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Nvfp4Linear":
         """Quantizes ``linear.weight`` with the reference NVFP4 rule (lowbit.nvfp4_quantize)."""
+        if not cls.computes_like(linear):
+            raise TypeError(
+                f"Nvfp4Linear.from_linear: argument 'linear' must be an nn.Linear computing x W^T + b, got "
+                f"{type(linear).__name__}" + (", which overrides forward" if isinstance(linear, nn.Linear) else "")
+            )
         with torch.no_grad():
             q = nvfp4_quantize(linear.weight.detach())
             bias = None if linear.bias is None else linear.bias.detach().to(
