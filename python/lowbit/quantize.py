@@ -1,5 +1,5 @@
-"""``quantize_``: a model's Linear layers swapped in place for NVFP4 ones,
-each quantized from its own weights with the reference rule
+"""``quantize_``: a model's layers swapped in place for NVFP4 ones, each
+quantized from its own weights with the reference rule
 (:func:`lowbit.nvfp4_quantize`)."""
 
 from __future__ import annotations
@@ -36,33 +36,51 @@ def quantize_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     progress: bool = True,
     fp8_min_rows: int = 0,
+    moe: bool = True,
 ) -> nn.Module:
-    """Replaces, in place, each ``nn.Linear`` of ``model`` for which
-    ``filter_fn(module, qualified_name)`` is true (all by default) with an
-    :class:`lowbit.nn.Nvfp4Linear`, in the FP8 mode from ``fp8_min_rows``
-    rows (0: never; see :func:`lowbit.nvfp4_linear`). Skipped always:
-    layers whose in or out features are not multiples of 16, and subclasses
-    of ``nn.Linear`` with a ``forward`` of their own, which compute
-    something other than ``x W^T + b`` (transformers'
-    ``DeepseekV4GroupedLinear``, the V4 attention's block-diagonal
-    ``o_a_proj``, is one).
+    """Replaces, in place, the layers of ``model`` for which
+    ``filter_fn(module, qualified_name)`` is true (all by default):
 
-    ``model`` itself is never replaced (``Nvfp4Linear.from_linear``
-    converts a single layer). Returns model."""
+    - each ``nn.Linear`` with an :class:`lowbit.nn.Nvfp4Linear`, in the FP8
+      mode from ``fp8_min_rows`` rows (0: never; see
+      :func:`lowbit.nvfp4_linear`). Skipped always: layers whose in or out
+      features are not multiples of 16, and subclasses of ``nn.Linear``
+      with a ``forward`` of their own, which compute something other than
+      ``x W^T + b`` (transformers' ``DeepseekV4GroupedLinear``, the V4
+      attention's block-diagonal ``o_a_proj``, is one);
+    - with ``moe=True``, each Hugging Face transformers DeepSeek MoE block
+      (``DeepseekV3MoE``, ``DeepseekV4SparseMoeBlock``) with an
+      :class:`lowbit.nn.Nvfp4MoE` (:meth:`Nvfp4MoE.from_hf`: router,
+      routed experts and shared expert in one module, so the Linear layers
+      of its shared expert go with it). Blocks whose sizes are not
+      multiples of 16 are skipped.
+
+    ``model`` itself is never replaced (``Nvfp4Linear.from_linear`` and
+    ``Nvfp4MoE.from_hf`` convert a single layer). Returns model."""
     from .nn.linear import Nvfp4Linear
+    from .nn.moe import Nvfp4MoE
 
-    targets = [
-        (name, mod)
-        for name, mod in model.named_modules()
-        if name  # the root: it cannot be replaced in place
-        and _swappable_linear(mod)
-        and (filter_fn is None or filter_fn(mod, name))
-    ]
+    targets: list[tuple[str, nn.Module]] = []
+    swapped_blocks: list[str] = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue  # the root: it cannot be replaced in place
+        if any(name.startswith(block + ".") for block in swapped_blocks):
+            continue  # inside a MoE block that is swapped whole
+        block = moe and Nvfp4MoE.is_hf_block(mod) and Nvfp4MoE.hf_block_sizes_supported(mod)
+        if not (block or _swappable_linear(mod)) or (filter_fn is not None and not filter_fn(mod, name)):
+            continue
+        targets.append((name, mod))
+        if block:
+            swapped_blocks.append(name)
     for i, (name, mod) in enumerate(targets):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = Nvfp4Linear.from_linear(mod)
-        layer.fp8_min_rows = fp8_min_rows
+        if isinstance(mod, nn.Linear):
+            layer = Nvfp4Linear.from_linear(mod)
+            layer.fp8_min_rows = fp8_min_rows
+        else:
+            layer = Nvfp4MoE.from_hf(mod)
         setattr(parent, child, layer)
         if progress:
             _progress(i + 1, len(targets), name)

@@ -52,6 +52,11 @@ _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 _HASH_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
 _ROUTER_DTYPES = (torch.bfloat16, torch.float32)
 _ALL_OR_NONE = "shared_up_proj and shared_down_proj: give all three or none"
+# Hugging Face transformers' DeepSeek MoE blocks (Nvfp4MoE.from_hf), and the
+# class names of their experts' activation and their gates' score functions.
+_HF_MOE_BLOCKS = {"DeepseekV3MoE": "v3", "DeepseekV4SparseMoeBlock": "v4"}
+_HF_SILU = ("SiLUActivation", "SiLU")
+_HF_SCORE_FUNCS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -465,6 +470,71 @@ class Nvfp4MoE(nn.Module):
                              where)
         return mod
 
+    @staticmethod
+    def is_hf_block(module: nn.Module) -> bool:
+        """Whether ``module`` is a Hugging Face transformers DeepSeek MoE
+        block that :meth:`from_hf` converts."""
+        return type(module).__name__ in _HF_MOE_BLOCKS
+
+    @staticmethod
+    def hf_block_sizes_supported(block: nn.Module) -> bool:
+        """Whether ``block``'s hidden and intermediate sizes (routed and
+        shared experts) are multiples of 16, as the NVFP4 blocks need."""
+        _, two_i, h = block.experts.gate_up_proj.shape
+        shared = block.shared_experts.gate_proj.out_features
+        return all(v % 16 == 0 for v in (h, two_i // 2, shared))
+
+    @classmethod
+    def from_hf(cls, block: nn.Module) -> "Nvfp4MoE":
+        """Quantizes a Hugging Face transformers (5.x) DeepSeek MoE block,
+        ``DeepseekV3MoE`` or ``DeepseekV4SparseMoeBlock``, into an equivalent
+        ``Nvfp4MoE`` (router, routed experts and shared expert; the experts
+        with :meth:`from_bf16`'s rule, the gate unquantized):
+
+        - V3: sigmoid scores, group-limited selection (``n_group``,
+          ``topk_group``), ``norm_topk_prob``, unclamped SwiGLU;
+        - V4: the gate's score function (sqrtsoftplus or sigmoid), clamped
+          SwiGLU (the experts' ``limit``), and for hash layers
+          (``block.is_hash``) the ``tid2eid`` table; ``forward`` takes the
+          token ids as ``input_ids``, as V4's decoder layer passes them.
+
+        The router runs in float32 from the gate weight (V3 does too; V4
+        rounds its gate logits to the model's dtype first, so near-tied
+        expert choices can differ). An fp16 gate weight is kept as float32.
+        """
+        where = ".from_hf"
+        family = _HF_MOE_BLOCKS.get(type(block).__name__)
+        if family is None:
+            raise TypeError(_err(where, "block", f"must be one of {sorted(_HF_MOE_BLOCKS)}, got {type(block).__name__}"))
+        gate, experts, shared = block.gate, block.experts, block.shared_experts
+        act = type(experts.act_fn).__name__
+        if act not in _HF_SILU:
+            raise ValueError(_err(where, "block", f"experts must use SiLU (SwiGLU), got {act}"))
+        if any(lin.bias is not None for lin in (shared.gate_proj, shared.up_proj, shared.down_proj)):
+            raise ValueError(_err(where, "block", "has a shared expert with biases, which Nvfp4MoE does not hold"))
+        hash_mode = family == "v4" and bool(block.is_hash)
+        if family == "v3":
+            score_func, n_group, topk_group, renormalize, limit = (
+                "sigmoid", gate.num_group, gate.topk_group, bool(gate.norm_topk_prob), None)
+        else:
+            score_name = type(gate.score_fn).__name__
+            if score_name not in _HF_SCORE_FUNCS:
+                raise ValueError(_err(where, "block", f"gate scores with {score_name}, which Nvfp4MoE does not run"))
+            score_func, n_group, topk_group, renormalize, limit = (
+                _HF_SCORE_FUNCS[score_name], 1, 1, True, experts.limit)
+        router_weight = gate.weight.detach()
+        if router_weight.dtype not in _ROUTER_DTYPES:
+            router_weight = router_weight.float()
+        return cls.from_bf16(
+            experts.gate_up_proj, experts.down_proj, router_weight,
+            None if hash_mode else gate.e_score_correction_bias,
+            k=gate.top_k, mode="hash" if hash_mode else "dense", tid2eid=gate.tid2eid if hash_mode else None,
+            score_func=score_func, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
+            routed_scaling_factor=float(gate.routed_scaling_factor), swiglu_limit=limit,
+            shared_gate_proj=shared.gate_proj.weight, shared_up_proj=shared.up_proj.weight,
+            shared_down_proj=shared.down_proj.weight,
+        )
+
     # ---- forward ----------------------------------------------------------
 
     def _swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
@@ -479,12 +549,20 @@ class Nvfp4MoE(nn.Module):
         gate, up = gate_up.split(self.shared_intermediate_size, dim=-1)
         return self.shared_down(self._swiglu(gate, up).to(x.dtype))
 
-    def forward(self, hidden_states: Tensor, token_ids: Tensor | None = None) -> Tensor:
+    def forward(self, hidden_states: Tensor, token_ids: Tensor | None = None, *,
+                input_ids: Tensor | None = None) -> Tensor:
         """hidden_states [..., H] (bf16/fp16; fp32 on CPU) and, in hash mode,
         token_ids [...] (int64/int32) -> [..., H] in hidden_states' dtype.
+        ``input_ids`` is another name for ``token_ids`` (transformers'
+        DeepSeek-V4 decoder layers pass it to every MoE block; unused in
+        dense mode).
 
         Routing sees hidden_states in the gate weight's dtype (fp16 input is
         cast to bf16 for the gate GEMM)."""
+        if input_ids is not None:
+            if token_ids is not None:
+                raise ValueError("Nvfp4MoE: give the token ids as 'token_ids' or 'input_ids', not both")
+            token_ids = input_ids
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"Nvfp4MoE: argument 'hidden_states' must have shape [..., {self.hidden_size}], "

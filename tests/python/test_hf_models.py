@@ -1,0 +1,227 @@
+"""lowbit inside Hugging Face transformers' DeepSeek-V3 and V4 models (tiny
+configurations, random weights).
+
+``lowbit.quantize_`` swaps the Linear layers and the MoE blocks; the model
+must then compute what the same model computes with the dequantized NVFP4
+weights, to within the BF16 rounding of that model itself. A layout error
+(gate and up rows swapped, the wrong expert, a Linear subclass computed as
+a plain Linear) moves the logits by O(1), far past that bound.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.nn import Nvfp4Linear, Nvfp4MoE
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+
+
+# Routing: (routed experts, experts per token, groups, groups kept). The
+# whole-model test routes every token to every expert: a choice between
+# near-tied experts flips with BF16 noise (the models' own as well as
+# ours), and one flipped token moves the logits more than the rounding
+# does. The MoE block tests route sparsely, from identical inputs.
+ROUTE_ALL = {"v3": (8, 8, 1, 1), "v4": (8, 8, 1, 1)}
+ROUTE_SPARSE = {"v3": (16, 4, 4, 2), "v4": (8, 2, 1, 1)}
+
+
+def tiny_v3(route) -> torch.nn.Module:
+    n_experts, k, n_group, topk_group = route
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=128,
+        qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=32, n_routed_experts=n_experts, n_group=n_group,
+        topk_group=topk_group, num_experts_per_tok=k, n_shared_experts=1, max_position_embeddings=256,
+    )
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def tiny_v4(route) -> torch.nn.Module:
+    n_experts, k, _, _ = route
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, q_lora_rank=128, num_experts_per_tok=k, n_routed_experts=n_experts,
+        hc_mult=2, hc_sinkhorn_iters=3, o_groups=2, o_lora_rank=128, index_n_heads=2, index_head_dim=32,
+        index_topk=8, sliding_window=16, num_nextn_predict_layers=0, max_position_embeddings=256,
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        swiglu_limit=0.5,  # V4's 10 never binds on these random weights; 0.5 clamps a good share
+    )
+    return transformers.DeepseekV4ForCausalLM(cfg)
+
+
+# family -> (builder, Nvfp4Linear layers, Nvfp4MoE blocks, Linear subclasses left alone)
+MODELS = {
+    # 3 x 5 attention projections, the dense first layer's MLP, lm_head.
+    "v3": (tiny_v3, 19, 2, 0),
+    # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head; o_a_proj is a
+    # DeepseekV4GroupedLinear (block-diagonal) and stays.
+    "v4": (tiny_v4, 19, 3, 3),
+}
+
+
+def build(family: str, device: str, route_all: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    route = (ROUTE_ALL if route_all else ROUTE_SPARSE)[family]
+    model = MODELS[family][0](route).to(device=device, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # the checkpoint-only state: nonzero biases, a hash table of distinct experts
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+            if name.endswith("tid2eid"):
+                n_experts = model.config.n_routed_experts
+                buf.copy_(torch.rand(buf.shape[0], n_experts, device=device).argsort(dim=1)[:, : buf.shape[1]])
+    return model
+
+
+def fake_quantized(w: torch.Tensor) -> torch.Tensor:
+    q = lowbit.nvfp4_quantize(w)
+    return lowbit.nvfp4_dequantize(q.packed, q.block_scale, q.global_scale, torch.float32).to(w.dtype)
+
+
+def dequantize_block_(block: torch.nn.Module) -> None:
+    """A transformers MoE block's weights replaced, in place, by their NVFP4
+    round trip as Nvfp4MoE.from_hf quantizes them: one global scale per
+    expert, the shared expert's gate and up rows together."""
+    experts, shared = block.experts, block.shared_experts
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(fake_quantized(experts.gate_up_proj))
+        experts.down_proj.copy_(fake_quantized(experts.down_proj))
+        i = shared.gate_proj.out_features
+        gate_up = fake_quantized(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        shared.gate_proj.weight.copy_(gate_up[:i])
+        shared.up_proj.weight.copy_(gate_up[i:])
+        shared.down_proj.weight.copy_(fake_quantized(shared.down_proj.weight))
+
+
+def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every weight that quantize_ converts replaced by its
+    NVFP4 round trip."""
+    ref = copy.deepcopy(model)
+    in_blocks = set()
+    for mod in ref.modules():
+        if Nvfp4MoE.is_hf_block(mod):
+            dequantize_block_(mod)
+            in_blocks.update(id(lin) for lin in mod.shared_experts.modules())
+    with torch.no_grad():
+        for mod in ref.modules():
+            if Nvfp4Linear.computes_like(mod) and id(mod) not in in_blocks:
+                mod.weight.copy_(fake_quantized(mod.weight))
+    return ref
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def devices() -> list:
+    cuda = pytest.mark.skipif(not (torch.cuda.is_available() and lowbit.has_cuda_kernels()), reason="needs a GPU")
+    return ["cpu", pytest.param("cuda", marks=cuda)]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_quantized_model_computes_its_dequantized_weights(family, device):
+    _, n_linear, n_moe, n_kept = MODELS[family]
+    model = build(family, device)
+    ids = torch.randint(0, VOCAB, (2, 24), device=device)
+    ref = dequantized_copy(model)
+    quantized = lowbit.quantize_(copy.deepcopy(model), progress=False)
+
+    assert sum(isinstance(m, Nvfp4Linear) for m in quantized.modules()) == n_linear
+    assert sum(isinstance(m, Nvfp4MoE) for m in quantized.modules()) == n_moe
+    assert sum(isinstance(m, torch.nn.Linear) and not Nvfp4Linear.computes_like(m) for m in quantized.modules()) == n_kept
+    assert not any(Nvfp4MoE.is_hf_block(m) for m in quantized.modules())
+    assert any(m.mode == "hash" for m in quantized.modules() if isinstance(m, Nvfp4MoE)) == (family == "v4")
+
+    with torch.no_grad():
+        got = quantized(ids).logits
+        want = copy.deepcopy(ref).float()(ids).logits  # the dequantized model in FP32
+        bf16_noise = rel(ref(ids).logits, want)  # the same model's own BF16 error
+        unquantized = model(ids).logits
+        # A decode step after a prefill (other kernels on the GPU: 2 rows, not 46).
+        prefill = quantized(ids[:, :-1], use_cache=True)
+        step = quantized(ids[:, -1:], past_key_values=prefill.past_key_values).logits
+    assert torch.isfinite(got).all()
+    assert 0 < bf16_noise < 0.1
+    # Measured: 1.1-1.2 times the noise (0.0075-0.0089; CPU and H100).
+    assert rel(got, want) <= 1.5 * bf16_noise, (rel(got, want), bf16_noise)
+    assert rel(step[:, -1], got[:, -1]) <= bf16_noise
+    # The quantization error itself: well above the BF16 noise (the check
+    # above would not see a missing quantization otherwise), yet bounded.
+    assert 2 * bf16_noise < rel(got, unquantized) < 0.6
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_quantized_model_compiles_in_one_graph(family, device):
+    model = lowbit.quantize_(build(family, device), progress=False)
+    ids = torch.randint(0, VOCAB, (2, 24), device=device)
+    # The eager backend: Dynamo's trace only (fullgraph raises on a graph
+    # break); Inductor on the ops is test_nvfp4_linear's and test_nn_moe's.
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_moe_block_computes_its_dequantized_block(family, device):
+    """Sparse routing (groups, correction bias, V4's hash layer) from the
+    same input: the same experts, so only the rounding differs."""
+    model = build(family, device, route_all=False)
+    torch.manual_seed(1)
+    x = torch.randn(2, 40, 256, device=device).to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 40), device=device)
+    blocks = [layer.mlp for layer in model.model.layers if Nvfp4MoE.is_hf_block(layer.mlp)]
+    assert len(blocks) == MODELS[family][2]
+    for block in blocks:
+        moe = Nvfp4MoE.from_hf(block)
+        ref = copy.deepcopy(block).float()
+        dequantize_block_(ref)
+        token_ids = {"input_ids": ids} if family == "v4" else {}
+        with torch.no_grad():
+            got, want = moe(x, **token_ids), ref(x.float(), **token_ids)
+        # The hidden activations and the output are rounded to BF16 (2^-9
+        # relative at most, each); the reference rounds nothing. Measured:
+        # 2.3-2.4e-3 (CPU), 2.8-2.9e-3 (H100).
+        assert rel(got, want) <= 5e-3, rel(got, want)
+
+
+def test_quantize_moe_false_and_filter_keep_the_blocks():
+    model = build("v3", "cpu")
+    lowbit.quantize_(model, progress=False, moe=False)
+    blocks = [m for m in model.modules() if Nvfp4MoE.is_hf_block(m)]
+    assert len(blocks) == 2
+    # Their shared experts' Linear layers were converted on their own.
+    assert all(isinstance(b.shared_experts.gate_proj, Nvfp4Linear) for b in blocks)
+
+    model = build("v4", "cpu")
+    lowbit.quantize_(model, lambda mod, name: not name.startswith("model.layers.0."), progress=False)
+    assert Nvfp4MoE.is_hf_block(model.model.layers[0].mlp)
+    assert isinstance(model.model.layers[1].mlp, Nvfp4MoE)
+
+
+def test_from_hf_rejects_what_it_cannot_hold():
+    with pytest.raises(TypeError, match=r"Nvfp4MoE.from_hf: argument 'block' must be one of .*got Linear"):
+        Nvfp4MoE.from_hf(torch.nn.Linear(16, 16))
+    block = copy.deepcopy(build("v4", "cpu").model.layers[1].mlp)
+    block.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match="experts must use SiLU"):
+        Nvfp4MoE.from_hf(block)
+
+
+def test_moe_token_ids_by_either_name():
+    block = build("v4", "cpu").model.layers[0].mlp  # a hash layer
+    moe = Nvfp4MoE.from_hf(block)
+    x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    assert torch.equal(moe(x, ids), moe(x, input_ids=ids))
+    with pytest.raises(ValueError, match="not both"):
+        moe(x, ids, input_ids=ids)
