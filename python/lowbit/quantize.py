@@ -22,13 +22,7 @@ def _progress(done: int, total: int, name: str) -> None:
 def _swappable_linear(mod: nn.Module) -> bool:
     from .nn.linear import Nvfp4Linear
 
-    return (
-        isinstance(mod, nn.Linear)
-        and not isinstance(mod, Nvfp4Linear)
-        and Nvfp4Linear.computes_like(mod)
-        and mod.in_features % 16 == 0
-        and mod.out_features % 16 == 0
-    )
+    return Nvfp4Linear.computes_like(mod) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
 
 def quantize_(
@@ -60,7 +54,10 @@ def quantize_(
     from .nn.linear import Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
-    targets: list[tuple[str, nn.Module]] = []
+    # Names only: each layer is looked up when it is converted, so that the
+    # unquantized one is freed as soon as it is replaced (peak memory: the
+    # model plus one layer's conversion, not the model twice).
+    targets: list[str] = []
     swapped_blocks: list[str] = []
     for name, mod in model.named_modules():
         if not name:
@@ -70,17 +67,19 @@ def quantize_(
         block = moe and Nvfp4MoE.is_hf_block(mod) and Nvfp4MoE.hf_block_sizes_supported(mod)
         if not (block or _swappable_linear(mod)) or (filter_fn is not None and not filter_fn(mod, name)):
             continue
-        targets.append((name, mod))
+        targets.append(name)
         if block:
             swapped_blocks.append(name)
-    for i, (name, mod) in enumerate(targets):
+    for i, name in enumerate(targets):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        mod = getattr(parent, child)
         if isinstance(mod, nn.Linear):
             layer = Nvfp4Linear.from_linear(mod)
             layer.fp8_min_rows = fp8_min_rows
         else:
             layer = Nvfp4MoE.from_hf(mod)
+        del mod  # the parent's was the last reference
         setattr(parent, child, layer)
         if progress:
             _progress(i + 1, len(targets), name)

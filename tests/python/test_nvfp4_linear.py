@@ -14,6 +14,7 @@ tensors, and the product is an FP32 (or FP64) matmul. Tolerances:
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -305,6 +306,21 @@ def test_quantize_leaves_linear_subclasses_with_their_own_forward():
     assert isinstance(model[1], Nvfp4Linear)
     with pytest.raises(TypeError, match="argument 'linear' must be an nn.Linear computing x W\\^T \\+ b, got Doubled"):
         Nvfp4Linear.from_linear(Doubled(64, 64))
+
+
+def test_quantize_frees_each_layer_as_it_goes(monkeypatch):
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(torch.bfloat16)
+    originals = [weakref.ref(m) for m in model]
+    alive = []  # unquantized layers alive at each conversion
+    from_linear = Nvfp4Linear.from_linear
+
+    def counting(linear):
+        alive.append(sum(r() is not None for r in originals))
+        return from_linear(linear)
+
+    monkeypatch.setattr(Nvfp4Linear, "from_linear", counting)
+    lowbit.quantize_(model, progress=False)
+    assert alive == [4, 3, 2, 1]
 
 
 class Stack(torch.nn.Module):
