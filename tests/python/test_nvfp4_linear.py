@@ -262,6 +262,27 @@ def test_module_roundtrip_state_dict_and_repr():
     assert moved is q and torch.equal(moved(x), q(x))
 
 
+def test_module_keeps_its_dtypes_through_dtype_conversions():
+    layer = Nvfp4Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    want = layer(x)
+    dtypes = {n: b.dtype for n, b in layer.named_buffers()}
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.float16), lambda m: m.float(), lambda m: m.double()):
+        assert convert(layer) is layer
+        assert {n: b.dtype for n, b in layer.named_buffers()} == dtypes
+        assert torch.equal(layer(x), want)
+    # A model converted whole after quantize_ (weight_global was cast to
+    # float16, which the op rejects, before the module kept its dtypes).
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    lowbit.quantize_(model, progress=False)
+    want = model(x)
+    model.half()
+    assert model[0].weight_global.dtype == torch.float32
+    got = model(x.half())
+    assert got.dtype == torch.float16
+    assert rel_err(got, want) <= 2e-2  # fp16 against bf16 activations
+
+
 def test_module_from_checkpoint_conventions():
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(64, 256, generator=gen) * 0.02

@@ -3,7 +3,10 @@
 Buffers (all in ``state_dict``): ``weight`` uint8 [N, Kp/2] and
 ``weight_scale`` uint8 [N, Kp/16] in the prepacked layout of
 ``lowbit.nvfp4_prepack``, ``weight_global`` float32 [] and, optionally,
-``bias`` [N] (kept in the activation dtype it was created with).
+``bias`` [N] (kept in the activation dtype it was created with). These
+dtypes are part of the format: ``.to(dtype)`` / ``.half()`` keep them (a
+model converted with ``.half()`` keeps its NVFP4 layers intact); the input
+chooses the compute dtype.
 
 ``fp8_min_rows`` (an attribute, not in ``state_dict``; 0 by default) turns
 on the FP8 mode of ``lowbit.nvfp4_linear`` for inputs of at least that many
@@ -17,9 +20,10 @@ from torch import Tensor, nn
 
 from ..linear import nvfp4_linear, nvfp4_prepack
 from ..ops import nvfp4_quantize
+from ._format_dtypes import KeepsDtypes
 
 
-class Nvfp4Linear(nn.Module):
+class Nvfp4Linear(KeepsDtypes):
     def __init__(
         self,
         in_features: int,

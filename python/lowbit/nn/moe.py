@@ -35,7 +35,6 @@ choose the compute dtype), only ``.to(device)`` applies.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Sequence
 
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 
 from ..moe import nvfp4_moe, nvfp4_moe_prepack
 from ..ops import nvfp4_quantize
+from ._format_dtypes import KeepsDtypes
 from .linear import Nvfp4Linear
 from .router import Router
 
@@ -147,7 +147,7 @@ def _split_triplet(t: object, where: str, arg: str) -> tuple[Tensor, Tensor, Ten
     return t[0], t[1], t[2]
 
 
-class Nvfp4MoE(nn.Module):
+class Nvfp4MoE(KeepsDtypes):
     """Router + NVFP4 routed experts (+ optional shared expert).
 
     Args:
@@ -589,29 +589,6 @@ class Nvfp4MoE(nn.Module):
         if self.shared_gate_up is not None:
             y = y + self._shared_unfused(x)
         return y.view(hidden_states.shape)
-
-    # ---- module plumbing ----------------------------------------------------
-
-    def _apply(self, fn, recurse=True):
-        # Dtypes are part of the format (uint8 codes, float32 globals, the
-        # gate weight's dtype): keep them through .to(dtype) / .half(), move
-        # devices only. The originals are kept (detached views) so a lossy
-        # cast is never undone from its result.
-        before = {name: t.detach() for name, t in
-                  itertools.chain(self.named_parameters(), self.named_buffers()) if t is not None}
-        super()._apply(fn, recurse)
-        for name, t in list(itertools.chain(self.named_parameters(), self.named_buffers())):
-            old = before.get(name)
-            if old is None or t.dtype == old.dtype:
-                continue
-            owner_name, _, leaf = name.rpartition(".")
-            owner = self.get_submodule(owner_name) if owner_name else self
-            restored = old.to(device=t.device)
-            if leaf in owner._parameters:
-                owner._parameters[leaf] = nn.Parameter(restored, requires_grad=t.requires_grad)
-            else:
-                owner._buffers[leaf] = restored
-        return self
 
     def extra_repr(self) -> str:
         if self.shared_intermediate_size is None:
