@@ -1,4 +1,4 @@
-// Bindings of lowbit::nvfp4_prepack / nvfp4_linear: validation and the CPU
+// Bindings of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: validation and the CPU
 // and Meta kernels (CUDA in nvfp4_linear_ops_cuda.cpp). The CPU Linear is
 // the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
 // bias added in FP32, the result in x's dtype; in the FP8 mode, the same on
@@ -16,6 +16,7 @@ namespace lowbit::ops {
 namespace {
 
 constexpr const char* kPrepack = "nvfp4_prepack";
+constexpr const char* kUnpack = "nvfp4_unpack";
 constexpr const char* kLinear = "nvfp4_linear";
 
 }  // namespace
@@ -64,6 +65,26 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
   a.out = out.data_ptr();
   a.out_dtype = to_lowbit_dtype(out.scalar_type());
   return a;
+}
+
+void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                  const c10::SymInt& k, at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "lowbit.", kUnpack,
+                   ": argument 'dtype' must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype);
+  TORCH_CHECK_VALUE(k >= 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kUnpack,
+                    ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
+  check_dtype(weight, kUnpack, "weight", {at::kByte});
+  check_dims(weight, kUnpack, "weight", {2});
+  check_dtype(weight_scale, kUnpack, "weight_scale", {at::kByte});
+  check_dtype(weight_global, kUnpack, "weight_global", {at::kFloat});
+  check_same_device(weight_scale, weight, kUnpack, "weight_scale", "weight");
+  check_same_device(weight_global, weight, kUnpack, "weight_global", "weight");
+  const c10::SymInt kp = padded_k_sym(k);
+  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", kUnpack,
+                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
+                    kp / 2, "], got ", weight.sym_sizes());
+  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, kUnpack, "weight_scale");
+  check_shape(weight_global, c10::SymDimVector{}, kUnpack, "weight_global");
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -171,6 +192,23 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::T
   return y.to(x.scalar_type());
 }
 
+at::Tensor unpack_weight_cpu(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                      int64_t k, at::ScalarType dtype) {
+  check_unpack(weight, weight_scale, weight_global, k, dtype);
+  at::Tensor out = at::empty({weight.size(0), k}, weight.options().dtype(dtype));
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto g = weight_global.contiguous();
+  if (out.numel() > 0) nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, out));
+  return out;
+}
+
+at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                       c10::SymInt k, at::ScalarType dtype) {
+  check_unpack(weight, weight_scale, weight_global, k, dtype);
+  return at::empty_symint(c10::SymDimVector{weight.sym_size(0), k}, weight.options().dtype(dtype));
+}
+
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
   check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
@@ -182,10 +220,12 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cpu);
+  m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cpu);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_meta);
+  m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_meta);
   m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
 }

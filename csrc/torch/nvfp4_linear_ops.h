@@ -28,6 +28,12 @@ nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor
 nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
                                     const at::Tensor& weight_global, at::Tensor& out);
 
+// Checks the prepacked weight [N, Kp/2] uint8, scales [N, Kp/16] uint8 and
+// global [] float32 of lowbit::nvfp4_unpack for K (a multiple of 16) and the
+// output dtype (float32, bf16 or fp16), all on one device.
+void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                  const c10::SymInt& k, at::ScalarType dtype);
+
 // Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
 // [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32
 // and bias [N] in x's dtype, all on x's device, and fp8_min_rows >= 0.

@@ -1,4 +1,4 @@
-// CUDA kernels of lowbit::nvfp4_prepack / nvfp4_linear: adapters to the core
+// CUDA kernels of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: adapters to the core
 // launchers in csrc/lowbit/nvfp4_gemm*.cu. gemm::linear_plan picks the
 // kernel from M and the shape (the table in nvfp4_gemm.h: fused kernels up
 // to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
@@ -34,6 +34,19 @@ std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const 
   auto s = weight_scale.contiguous();
   auto out = empty_prepack_outputs(w);
   C10_CUDA_CHECK(gemm::prepack_cuda(prepack_args(w, s, out), c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor unpack_weight_cuda(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                       int64_t k, at::ScalarType dtype) {
+  check_unpack(weight, weight_scale, weight_global, k, dtype);
+  c10::cuda::CUDAGuard guard(weight.device());
+  at::Tensor out = at::empty({weight.size(0), k}, weight.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  auto w = contiguous_aligned(weight, 16);
+  auto s = contiguous_aligned(weight_scale, 16);
+  auto g = weight_global.contiguous();
+  C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, out), c10::cuda::getCurrentCUDAStream()));
   return out;
 }
 
@@ -128,5 +141,6 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
 
 TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cuda);
+  m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cuda);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
 }

@@ -60,7 +60,10 @@ TORCH_LIBRARY(lowbit, m) {
   // dtype, y = x W^T * weight_global (+ bias [N], x's dtype). From
   // fp8_min_rows rows of x (0: never) it runs the FP8 mode instead: W and x
   // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/nvfp4_gemm.h).
+  // nvfp4_unpack: the prepacked weight dequantized, [N, K] in `dtype` (global
+  // scale included, one rounding); nvfp4_linear's backward uses it.
   m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
+  m.def("nvfp4_unpack(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k, ScalarType dtype) -> Tensor");
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
       "int fp8_min_rows=0) -> Tensor");

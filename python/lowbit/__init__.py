@@ -6,7 +6,7 @@ _load()
 
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
-from .linear import nvfp4_linear, nvfp4_prepack  # noqa: E402
+from .linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack  # noqa: E402
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
 
@@ -25,6 +25,7 @@ __all__ = [
     "nvfp4_moe_prepack",
     "nvfp4_prepack",
     "nvfp4_quantize",
+    "nvfp4_unpack",
     "route",
     "topk",
     "quantize_",

@@ -34,6 +34,15 @@ def nvfp4_prepack(weight: Tensor, weight_scale: Tensor) -> Nvfp4PrepackedWeight:
     return Nvfp4PrepackedWeight(w, s)
 
 
+def nvfp4_unpack(
+    weight: Tensor, weight_scale: Tensor, weight_global: Tensor, k: int, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """The prepacked weight (:func:`nvfp4_prepack`) dequantized: [N, K] in
+    ``dtype`` (float32, bfloat16 or float16), e2m1 * block scale * global
+    rounded once. ``k``: the layer's K (the layout pads it to 128)."""
+    return torch.ops.lowbit.nvfp4_unpack(weight, weight_scale, weight_global, k, dtype)
+
+
 def nvfp4_linear(
     x: Tensor,
     weight: Tensor,
@@ -51,5 +60,29 @@ def nvfp4_linear(
     many rows of x (the product of its leading dimensions): W and x are
     rounded to FP8 E4M3 with one scale per row and multiplied on the FP8
     tensor cores. Faster at large M (docs/PERF.md), with an extra error of
-    about 4e-2 relative (README.md, Formats); 0, the default, never uses it."""
+    about 4e-2 relative (README.md, Formats); 0, the default, never uses it.
+
+    Differentiable in ``x`` (and ``bias``): the gradient is ``grad_y @ W``
+    with W unpacked to grad_y's dtype (:func:`nvfp4_unpack`; in the FP8 mode
+    too, i.e. straight through its rounding), so adapters such as LoRA can
+    be trained on a frozen NVFP4 layer. The weight itself gets none."""
     return torch.ops.lowbit.nvfp4_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows)
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    x, weight, weight_scale, weight_global, _bias, _fp8_min_rows = inputs
+    ctx.save_for_backward(weight, weight_scale, weight_global)
+    ctx.k = x.shape[-1]
+
+
+def _linear_backward(ctx, grad_y: Tensor):
+    weight, weight_scale, weight_global = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = grad_y @ torch.ops.lowbit.nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
+    if ctx.needs_input_grad[4]:
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return grad_x, None, None, None, grad_bias, None
+
+
+torch.library.register_autograd("lowbit::nvfp4_linear", _linear_backward, setup_context=_linear_setup_context)

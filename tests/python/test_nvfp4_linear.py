@@ -248,6 +248,74 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.lowbit.nvfp4_prepack.default, (q.packed, q.block_scale.view(torch.uint8)))
 
 
+@pytest.mark.parametrize("n,k", [(16, 16), (48, 144), (32, 1024)])
+def test_unpack_is_the_dequantized_weight(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    _, q, deq, pw, ps, g = make_weight(n, k, gen)
+    w32 = lowbit.nvfp4_unpack(pw, ps, g, k, torch.float32)
+    assert w32.shape == (n, k) and torch.equal(w32, deq)
+    for dtype in (torch.bfloat16, torch.float16):  # one rounding, of the FP32 value
+        assert torch.equal(lowbit.nvfp4_unpack(pw, ps, g, k, dtype), deq.to(dtype))
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_unpack.default, (pw, ps, g, k, torch.bfloat16))
+    with pytest.raises(ValueError, match=r"'k' must be a multiple of 16 \(>= 0\), got 40"):
+        lowbit.nvfp4_unpack(pw, ps, g, 40)
+    with pytest.raises(ValueError, match=r"'weight' must be prepacked .* for K = 2048"):
+        lowbit.nvfp4_unpack(pw, ps, g, 2048)
+    with pytest.raises(TypeError, match=r"'dtype' must be torch.float32, torch.bfloat16 or torch.float16, got Int"):
+        lowbit.nvfp4_unpack(pw, ps, g, k, torch.int32)
+
+
+def linear_grads(x, pw, ps, g, bias, grad_y, fp8_min_rows=0, fn=lowbit.nvfp4_linear):
+    x = x.detach().requires_grad_()
+    bias = bias.detach().requires_grad_()
+    fn(x, pw, ps, g, bias, fp8_min_rows).backward(grad_y)
+    return x.grad, bias.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backward_is_grad_y_times_the_dequantized_weight(dtype):
+    gen = torch.Generator().manual_seed(41)
+    _, _, deq, pw, ps, g = make_weight(48, 400, gen)
+    x = torch.randn(2, 5, 400, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    grad_y = torch.randn(2, 5, 48, generator=gen).to(dtype)
+    grad_x, grad_bias = linear_grads(x, pw, ps, g, bias, grad_y)
+    assert grad_x.dtype == dtype and grad_x.shape == x.shape
+    # W rounded once to grad_y's dtype, the product once more (2^-9 each
+    # for bf16; 2^-12 for fp16; FP32 sums).
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    assert rel_err(grad_x, grad_y.double() @ deq.double()) <= tol
+    assert rel_err(grad_bias, grad_y.double().sum((0, 1))) <= tol
+    # The FP8 mode's gradient goes straight through its rounding: the same.
+    fp8_grad_x, _ = linear_grads(x, pw, ps, g, bias, grad_y, fp8_min_rows=1)
+    assert torch.equal(fp8_grad_x, grad_x)
+    # Traced by AOTAutograd (dynamic shapes): the same gradients.
+    compiled = torch.compile(lowbit.nvfp4_linear, backend="aot_eager", fullgraph=True, dynamic=True)
+    for got, want in zip(linear_grads(x, pw, ps, g, bias, grad_y, fn=compiled), (grad_x, grad_bias)):
+        assert torch.equal(got, want)
+
+
+def test_layers_before_a_frozen_nvfp4_layer_train():
+    # The student's gradients pass through the NVFP4 layer's backward; the
+    # target is reachable (a teacher of the same shape through that layer).
+    torch.manual_seed(42)
+    frozen = Nvfp4Linear.from_linear(torch.nn.Linear(64, 32))
+    teacher, student = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64)
+    x = torch.randn(256, 16)
+    with torch.no_grad():
+        target = frozen(teacher(x))
+    opt = torch.optim.Adam(student.parameters(), lr=3e-2)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = F.mse_loss(frozen(student(x)), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.05 * losses[0], losses[::10]
+    assert all(not b.requires_grad for b in frozen.buffers())
+
+
 def test_module_roundtrip_state_dict_and_repr():
     gen = torch.Generator().manual_seed(7)
     lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
@@ -439,6 +507,24 @@ def test_cuda_matches_fp32_reference_every_m(dtype, n, k):
             assert torch.isfinite(y).all()
             err = rel_err(y, want)
             assert err <= REL_TOL, (m, err)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_unpack_and_backward_match_cpu(dtype):
+    gen = torch.Generator().manual_seed(43)
+    n, k = 256, 2176
+    _, _, deq, pw, ps, g = make_weight(n, k, gen)
+    pw_c, ps_c, g_c = pw.cuda(), ps.cuda(), g.cuda()
+    for out in (torch.float32, dtype):
+        assert torch.equal(lowbit.nvfp4_unpack(pw_c, ps_c, g_c, k, out).cpu(), lowbit.nvfp4_unpack(pw, ps, g, k, out))
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
+    for m in (1, 16, 300, 3000):  # every forward path; one backward
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        grad_y = torch.randn(m, n, generator=gen).to(dtype).cuda()
+        grad_x, grad_bias = linear_grads(x, pw_c, ps_c, g_c, bias, grad_y)
+        assert rel_err(grad_x, grad_y.double() @ deq.double().cuda()) <= 1e-2, m
+        assert rel_err(grad_bias, grad_y.double().sum(0)) <= 1e-2, m
 
 
 @cuda
