@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._autograd import register_inference_only
+
 
 class Nvfp4MoePrepacked(NamedTuple):
     """Prepacked expert weights (opaque layout, the same on every device).
@@ -84,3 +86,6 @@ def nvfp4_moe(
     return torch.ops.lowbit.nvfp4_moe(
         x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit
     )
+
+
+register_inference_only("nvfp4_moe")

@@ -17,6 +17,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ._autograd import register_inference_only
+
 ScoreFunc = Literal["sqrtsoftplus", "sigmoid", "softmax"]
 
 
@@ -92,3 +94,9 @@ def topk(input: Tensor, k: int) -> tuple[Tensor, Tensor]:
     k <= 2048): values (input dtype) in descending order and int32 column
     indices. Equal values go to the lower index, NaN ranks above +inf."""
     return torch.ops.lowbit.topk(input, k)
+
+
+register_inference_only("route")
+register_inference_only("dense_router")
+register_inference_only("hash_router")
+register_inference_only("topk")

@@ -371,6 +371,21 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.lowbit.nvfp4_moe.default, (x.float(), w, ids, *exp.args(), None))
 
 
+def test_no_backward_raises_clearly():
+    # An inference op: its forward runs (and compiles) with inputs that
+    # require grad; a gradient asked of it raises instead of PyTorch's
+    # warning and wrong (zero on CUDA) gradients.
+    gen = torch.Generator().manual_seed(10)
+    exp = Experts(4, 144, 48, gen)
+    x = random_x(5, 144, torch.float32, gen).requires_grad_()
+    w, ids = random_routing(5, 4, 2, gen)
+    for fn in (moe_fn, torch.compile(moe_fn, backend="aot_eager", fullgraph=True)):
+        y = fn(x, w, ids, *exp.args())
+        assert y.requires_grad
+        with pytest.raises(NotImplementedError, match=r"lowbit.nvfp4_moe has no backward \(an inference op\)"):
+            y.sum().backward()
+
+
 def moe_fn(x, w, ids, w13, w13s, g13, w2, w2s, g2):
     return lowbit.nvfp4_moe(x, w, ids, w13, w13s, g13, w2, w2s, g2, 0.5)
 

@@ -199,6 +199,26 @@ def test_hash_router_out_of_range_raises_on_cpu():
         lowbit.hash_router(torch.tensor([0, 5, 2]), table, logits)
 
 
+def test_routing_ops_have_no_backward():
+    # Inference ops: outputs of logits that require grad raise clearly when a
+    # gradient is asked of them (instead of PyTorch's fallback: a warning and
+    # wrong gradients).
+    logits = torch.randn(6, 16, requires_grad=True)
+    hidden = torch.randn(6, 32, requires_grad=True)
+    gate = torch.randn(16, 32)
+    table = torch.stack([torch.randperm(16)[:2] for _ in range(10)]).to(torch.int32)
+    outputs = {
+        "route": lowbit.route(logits, None, 2, "sigmoid")[0],
+        "dense_router": lowbit.dense_router(hidden, gate, None, 2, "sigmoid")[0],
+        "hash_router": lowbit.hash_router(torch.arange(6), table, logits)[0],
+        "topk": lowbit.topk(logits, 2)[0],
+    }
+    for op, out in outputs.items():
+        assert out.requires_grad
+        with pytest.raises(NotImplementedError, match=rf"lowbit.{op} has no backward \(an inference op\)"):
+            out.sum().backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols,k", [(3, 100, 1), (5, 4097, 64), (2, 131072, 64), (2, 20000, 2048), (1, 7, 7)])
 def test_topk_matches_reference(rows, cols, k, dtype):
