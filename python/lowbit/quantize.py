@@ -54,6 +54,9 @@ def quantize_(
     from .nn.linear import Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
+    if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
+        # Before any layer is replaced: a bad argument leaves the model as it was.
+        raise ValueError(f"quantize_: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}")
     # Names only: each layer is looked up when it is converted, so that the
     # unquantized one is freed as soon as it is replaced (peak memory: the
     # model plus one layer's conversion, not the model twice).

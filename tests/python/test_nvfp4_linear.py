@@ -224,6 +224,14 @@ def test_fp8_mode_in_the_module():
     w4 = q(x)
     q.fp8_min_rows = 8
     assert "fp8_min_rows=8" in repr(q)
+    for bad in (-1, 1.5, True):  # checked when set, not at the next forward
+        with pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
+            q.fp8_min_rows = bad
+    assert q.fp8_min_rows == 8
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    with pytest.raises(ValueError, match=r"quantize_: fp8_min_rows must be an int >= 0"):
+        lowbit.quantize_(model, fp8_min_rows=-1, progress=False)
+    assert type(model[0]) is torch.nn.Linear  # untouched
     assert set(q.state_dict()) == {"weight", "weight_scale", "weight_global", "bias"}
     y = q(x)
     assert not torch.equal(y, w4) and rel_err(y, w4) <= FP8_MODE_TOL
@@ -231,7 +239,7 @@ def test_fp8_mode_in_the_module():
     model = lowbit.quantize_(torch.nn.Sequential(torch.nn.Linear(128, 64)).to(torch.bfloat16), progress=False,
                              fp8_min_rows=1024)
     assert model[0].fp8_min_rows == 1024
-    with pytest.raises(ValueError, match=r"fp8_min_rows must be >= 0"):
+    with pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
         Nvfp4Linear(128, 64, fp8_min_rows=-1)
 
 

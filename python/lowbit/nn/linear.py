@@ -8,7 +8,7 @@ dtypes are part of the format: ``.to(dtype)`` / ``.half()`` keep them (a
 model converted with ``.half()`` keeps its NVFP4 layers intact); the input
 chooses the compute dtype.
 
-``fp8_min_rows`` (an attribute, not in ``state_dict``; 0 by default) turns
+``fp8_min_rows`` (an attribute, checked when set, not in ``state_dict``; 0 by default) turns
 on the FP8 mode of ``lowbit.nvfp4_linear`` for inputs of at least that many
 rows: faster at large M, with an extra error of about 4e-2 relative.
 """
@@ -34,8 +34,6 @@ class Nvfp4Linear(KeepsDtypes):
         fp8_min_rows: int = 0,
     ) -> None:
         super().__init__()
-        if fp8_min_rows < 0:
-            raise ValueError(f"Nvfp4Linear: fp8_min_rows must be >= 0 (0: never the FP8 mode), got {fp8_min_rows}")
         self.fp8_min_rows = fp8_min_rows
         if in_features % 16 or out_features % 16:
             raise ValueError(
@@ -51,6 +49,17 @@ class Nvfp4Linear(KeepsDtypes):
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
         else:
             self.bias = None
+
+    @property
+    def fp8_min_rows(self) -> int:
+        return self._fp8_min_rows
+
+    @fp8_min_rows.setter
+    def fp8_min_rows(self, value: int) -> None:
+        # Checked when set, not at the next forward.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"Nvfp4Linear: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {value!r}")
+        self._fp8_min_rows = value
 
     # ---- construction -----------------------------------------------------
 
