@@ -11,6 +11,10 @@ chooses the compute dtype.
 ``fp8_min_rows`` (an attribute, checked when set, not in ``state_dict``; 0 by default) turns
 on the FP8 mode of ``lowbit.nvfp4_linear`` for inputs of at least that many
 rows: faster at large M, with an extra error of about 4e-2 relative.
+
+The layer is frozen (its state is buffers) but differentiable in its input
+(:func:`lowbit.nvfp4_linear`): layers before it, and adapters beside it,
+train through it.
 """
 
 from __future__ import annotations
