@@ -137,6 +137,23 @@ def test_from_bf16_matches_reference(shared_i, dtype):
     assert err <= TOL, err
 
 
+def test_from_bf16_fused_shared_expert_is_the_stacked_quantization():
+    # from_bf16 quantizes the shared expert on its own and appends its codes
+    # (no stacked copy of the unquantized experts): the bytes must be those
+    # of quantizing the stacked weights, one global per expert.
+    gen = torch.Generator().manual_seed(99)
+    E, H, I = 4, 128, 64
+    w = bf16_weights(E, H, I, gen, I)
+    mod = make(w, 2, **V4)
+    shared_gu = torch.cat([w["shared_gate_proj"], w["shared_up_proj"]])
+    q13 = lowbit.nvfp4_quantize(torch.cat([w["gate_up_proj"], shared_gu.unsqueeze(0)]))
+    q2 = lowbit.nvfp4_quantize(torch.cat([w["down_proj"], w["shared_down_proj"].unsqueeze(0)]))
+    packed = lowbit.nvfp4_moe_prepack(q13.packed, q13.block_scale, q2.packed, q2.block_scale)
+    for name, want in zip(("w13", "w13_scale", "w2", "w2_scale"), packed):
+        assert torch.equal(getattr(mod, name), want), name
+    assert torch.equal(mod.w13_global, q13.global_scale) and torch.equal(mod.w2_global, q2.global_scale)
+
+
 def test_cosine_vs_unquantized_moe():
     # cosine >= 0.98: three NVFP4 GEMMs per expert (gate, up, down) at ~9.5%
     # RMS weight error each give ~0.986 even for the exact float64 MoE on the

@@ -348,11 +348,17 @@ class Nvfp4MoE(KeepsDtypes):
             gu, down = gu.detach(), down.detach()
             if shared_i is not None:
                 shared_gu = torch.cat([shared_gate_proj.detach(), shared_up_proj.detach()]).to(gu.dtype)
-            if mod.shared_fused:
-                gu = torch.cat([gu, shared_gu.unsqueeze(0)])
-                down = torch.cat([down, shared_down_proj.detach().to(down.dtype).unsqueeze(0)])
             q13, q2 = nvfp4_quantize(gu), nvfp4_quantize(down)
-            mod._load_experts(q13.packed, q13.block_scale, q13.global_scale, q2.packed, q2.block_scale, q2.global_scale)
+            if mod.shared_fused:
+                # The shared expert (expert E) quantized on its own and its codes
+                # appended: the same bytes as quantizing the stacked weights (one
+                # global per expert), without a stacked copy of every expert's
+                # unquantized weights (8.6 GB for a DeepSeek-V4-Flash gate_up).
+                s13 = nvfp4_quantize(shared_gu.unsqueeze(0))
+                s2 = nvfp4_quantize(shared_down_proj.detach().to(down.dtype).unsqueeze(0))
+                q13 = [torch.cat(pair) for pair in zip(q13, s13)]
+                q2 = [torch.cat(pair) for pair in zip(q2, s2)]
+            mod._load_experts(*q13, *q2)
             if shared_i is not None and not mod.shared_fused:
                 mod.shared_gate_up.load_state_dict(Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_gu)).state_dict())
                 mod.shared_down.load_state_dict(
