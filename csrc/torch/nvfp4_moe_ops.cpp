@@ -80,8 +80,12 @@ void check_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
   const at::Tensor* same[] = {&topk_weights, &topk_ids, &w13, &w13_scale, &w13_global, &w2, &w2_scale, &w2_global};
   const char* names[] = {"topk_weights", "topk_ids", "w13", "w13_scale", "w13_global", "w2", "w2_scale", "w2_global"};
   for (int i = 0; i < 8; ++i) check_same_device(*same[i], x, kMoe, names[i], "x");
-  TORCH_CHECK_VALUE(topk_ids.sym_numel() < (int64_t(1) << 31), "lowbit.", kMoe,
-                    ": M * k must be below 2^31, got topk_ids of shape ", topk_ids.sym_sizes());
+  // Checked where the size is known (every real kernel): on a symbolic size
+  // the comparison would be a guard, which torch.export cannot express.
+  if (const auto slots = topk_ids.sym_numel().maybe_as_int()) {
+    TORCH_CHECK_VALUE(*slots < (int64_t(1) << 31), "lowbit.", kMoe,
+                      ": M * k must be below 2^31, got topk_ids of shape ", topk_ids.sizes());
+  }
 }
 
 namespace {

@@ -154,6 +154,26 @@ def test_from_bf16_fused_shared_expert_is_the_stacked_quantization():
     assert torch.equal(mod.w13_global, q13.global_scale) and torch.equal(mod.w2_global, q2.global_scale)
 
 
+@pytest.mark.parametrize("mode", ["dense", "hash"])
+def test_export_with_dynamic_tokens(mode):
+    gen = torch.Generator().manual_seed(98)
+    E, H, I, V = 8, 128, 64, 50
+    w = bf16_weights(E, H, I, gen, I)
+    extra = dict(mode="hash", tid2eid=torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(V)])) \
+        if mode == "hash" else {}
+    mod = make(w, 2, **V4, **extra)
+    tokens = torch.export.Dim("tokens")
+    x = torch.randn(7, H, generator=gen).bfloat16()
+    ids = torch.randint(0, V, (7,), generator=gen)
+    args, shapes = ((x, ids), ({0: tokens}, {0: tokens})) if mode == "hash" else ((x,), ({0: tokens},))
+    exported = torch.export.export(mod, args, dynamic_shapes=shapes).module()
+    for m in (1, 12):
+        x = torch.randn(m, H, generator=gen).bfloat16()
+        ids = torch.randint(0, V, (m,), generator=gen)
+        call = (x, ids) if mode == "hash" else (x,)
+        assert torch.equal(exported(*call), mod(*call))
+
+
 def test_cosine_vs_unquantized_moe():
     # cosine >= 0.98: three NVFP4 GEMMs per expert (gate, up, down) at ~9.5%
     # RMS weight error each give ~0.986 even for the exact float64 MoE on the

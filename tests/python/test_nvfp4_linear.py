@@ -420,6 +420,17 @@ def test_quantize_frees_each_layer_as_it_goes(monkeypatch):
     assert alive == [4, 3, 2, 1]
 
 
+def test_export_with_dynamic_batch():
+    model = lowbit.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+                             .to(torch.bfloat16), progress=False)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    assert sum("lowbit.nvfp4_linear" in str(n.target) for n in exported.graph.nodes) == 2
+    for m in (1, 9):
+        x = torch.randn(m, 64).to(torch.bfloat16)
+        assert torch.equal(exported.module()(x), model(x))
+
+
 class Stack(torch.nn.Module):
     def __init__(self, dims, device="cpu", fp8_min_rows=0):
         super().__init__()
