@@ -40,8 +40,10 @@ def quantize_(
       :func:`lowbit.nvfp4_linear`). Skipped always: layers whose in or out
       features are not multiples of 16, and subclasses of ``nn.Linear``
       with a ``forward`` of their own, which compute something other than
-      ``x W^T + b`` (transformers' ``DeepseekV4GroupedLinear``, the V4
-      attention's block-diagonal ``o_a_proj``, is one);
+      ``x W^T + b`` (but see the next item);
+    - each transformers ``DeepseekV4GroupedLinear`` (the V4 attention's
+      block-diagonal ``o_a_proj``) without a bias with an
+      :class:`lowbit.nn.Nvfp4GroupedLinear`, one NVFP4 block per group;
     - with ``moe=True``, each Hugging Face transformers DeepSeek MoE block
       (``DeepseekV3MoE``, ``DeepseekV4SparseMoeBlock``) with an
       :class:`lowbit.nn.Nvfp4MoE` (:meth:`Nvfp4MoE.from_hf`: router,
@@ -49,9 +51,10 @@ def quantize_(
       of its shared expert go with it). Blocks whose sizes are not
       multiples of 16 are skipped.
 
-    ``model`` itself is never replaced (``Nvfp4Linear.from_linear`` and
-    ``Nvfp4MoE.from_hf`` convert a single layer). Returns model."""
-    from .nn.linear import Nvfp4Linear
+    ``model`` itself is never replaced (``Nvfp4Linear.from_linear``,
+    ``Nvfp4GroupedLinear.from_hf`` and ``Nvfp4MoE.from_hf`` convert a single
+    layer). Returns model."""
+    from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
     if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
@@ -68,7 +71,8 @@ def quantize_(
         if any(name.startswith(block + ".") for block in swapped_blocks):
             continue  # inside a MoE block that is swapped whole
         block = moe and Nvfp4MoE.is_hf_block(mod) and Nvfp4MoE.hf_block_sizes_supported(mod)
-        if not (block or _swappable_linear(mod)) or (filter_fn is not None and not filter_fn(mod, name)):
+        grouped = Nvfp4GroupedLinear.is_hf_grouped(mod) and Nvfp4GroupedLinear.hf_grouped_supported(mod)
+        if not (block or grouped or _swappable_linear(mod)) or (filter_fn is not None and not filter_fn(mod, name)):
             continue
         targets.append(name)
         if block:
@@ -77,7 +81,11 @@ def quantize_(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         mod = getattr(parent, child)
-        if isinstance(mod, nn.Linear):
+        if Nvfp4GroupedLinear.is_hf_grouped(mod):
+            layer = Nvfp4GroupedLinear.from_hf(mod)
+            for group in layer.groups:
+                group.fp8_min_rows = fp8_min_rows
+        elif isinstance(mod, nn.Linear):
             layer = Nvfp4Linear.from_linear(mod)
             layer.fp8_min_rows = fp8_min_rows
         else:

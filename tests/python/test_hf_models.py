@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.nn import Nvfp4Linear, Nvfp4MoE
+from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,13 +56,14 @@ def tiny_v4(route) -> torch.nn.Module:
     return transformers.DeepseekV4ForCausalLM(cfg)
 
 
-# family -> (builder, Nvfp4Linear layers, Nvfp4MoE blocks, Linear subclasses left alone)
+# family -> (builder, Nvfp4Linear layers, Nvfp4MoE blocks, Nvfp4GroupedLinear layers)
 MODELS = {
     # 3 x 5 attention projections, the dense first layer's MLP, lm_head.
     "v3": (tiny_v3, 19, 2, 0),
-    # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head; o_a_proj is a
-    # DeepseekV4GroupedLinear (block-diagonal) and stays.
-    "v4": (tiny_v4, 19, 3, 3),
+    # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head, and the 2
+    # groups of each of the 3 o_a_proj (a DeepseekV4GroupedLinear,
+    # block-diagonal): Nvfp4GroupedLinear holds one Nvfp4Linear per group.
+    "v4": (tiny_v4, 19 + 3 * 2, 3, 3),
 }
 
 
@@ -113,6 +114,9 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
         for mod in ref.modules():
             if Nvfp4Linear.computes_like(mod) and id(mod) not in in_blocks:
                 mod.weight.copy_(fake_quantized(mod.weight))
+            elif Nvfp4GroupedLinear.is_hf_grouped(mod):  # one block, one global scale, per group
+                blocks = mod.weight.view(mod.n_groups, -1, mod.in_features)
+                mod.weight.copy_(torch.cat([fake_quantized(b) for b in blocks]))
     return ref
 
 
@@ -128,7 +132,7 @@ def devices() -> list:
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_quantized_model_computes_its_dequantized_weights(family, device):
-    _, n_linear, n_moe, n_kept = MODELS[family]
+    _, n_linear, n_moe, n_grouped = MODELS[family]
     model = build(family, device)
     ids = torch.randint(0, VOCAB, (2, 24), device=device)
     ref = dequantized_copy(model)
@@ -136,7 +140,8 @@ def test_quantized_model_computes_its_dequantized_weights(family, device):
 
     assert sum(isinstance(m, Nvfp4Linear) for m in quantized.modules()) == n_linear
     assert sum(isinstance(m, Nvfp4MoE) for m in quantized.modules()) == n_moe
-    assert sum(isinstance(m, torch.nn.Linear) and not Nvfp4Linear.computes_like(m) for m in quantized.modules()) == n_kept
+    assert sum(isinstance(m, Nvfp4GroupedLinear) for m in quantized.modules()) == n_grouped
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())  # nothing left in BF16
     assert not any(Nvfp4MoE.is_hf_block(m) for m in quantized.modules())
     assert any(m.mode == "hash" for m in quantized.modules() if isinstance(m, Nvfp4MoE)) == (family == "v4")
 
@@ -214,6 +219,24 @@ def test_moe_block_computes_its_dequantized_block(family, device):
         # relative at most, each); the reference rounds nothing. Measured:
         # 2.3-2.4e-3 (CPU), 2.8-2.9e-3 (H100).
         assert rel(got, want) <= 5e-3, rel(got, want)
+
+
+def test_grouped_linear_computes_its_dequantized_blocks():
+    hf = build("v4", "cpu").model.layers[0].self_attn.o_a_proj
+    assert Nvfp4GroupedLinear.is_hf_grouped(hf) and hf.n_groups == 2
+    mod = Nvfp4GroupedLinear.from_hf(hf)
+    assert "n_groups=2" in repr(mod)
+    x = torch.randn(3, 5, 2, hf.in_features).to(torch.bfloat16)
+    ref = copy.deepcopy(hf).float()
+    with torch.no_grad():
+        ref.weight.copy_(torch.cat([fake_quantized(b) for b in ref.weight.view(2, -1, hf.in_features)]))
+        got, want = mod(x), ref(x.float())
+    assert got.shape == want.shape == (3, 5, 2, hf.out_features // 2)
+    assert rel(got, want) <= 5e-3  # the output rounded to BF16 once
+    with pytest.raises(ValueError, match=r"argument 'x' must have shape \[\.\.\., 2, 128\], got \[3, 64\]"):
+        mod(torch.randn(3, 64).to(torch.bfloat16))
+    with pytest.raises(TypeError, match="must be a DeepseekV4GroupedLinear without bias"):
+        Nvfp4GroupedLinear.from_hf(torch.nn.Linear(64, 64))
 
 
 def test_quantize_moe_false_and_filter_keep_the_blocks():

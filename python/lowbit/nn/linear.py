@@ -135,3 +135,63 @@ class Nvfp4Linear(KeepsDtypes):
             f"format=nvfp4 (W4A16, group 16, prepacked), device={self.weight.device}"
             + (f", fp8_min_rows={self.fp8_min_rows}" if self.fp8_min_rows else "")
         )
+
+
+class Nvfp4GroupedLinear(KeepsDtypes):
+    """A block-diagonal Linear with NVFP4 blocks: x [..., G, K] -> [..., G, N],
+    group g multiplied by its own [N, K] block (one :class:`Nvfp4Linear`
+    each, in ``groups``; its own global scale). It is transformers'
+    ``DeepseekV4GroupedLinear`` (the V4 attention's ``o_a_proj``), whose
+    weight [G * N, K] holds block g in rows g N .. g N + N - 1 and which
+    ignores its bias; :meth:`from_hf` converts one without a bias."""
+
+    def __init__(self, in_features: int, out_features: int, n_groups: int,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not isinstance(n_groups, int) or n_groups < 1:
+            raise ValueError(f"Nvfp4GroupedLinear: n_groups must be a positive int, got {n_groups!r}")
+        self.in_features, self.out_features, self.n_groups = in_features, out_features, n_groups
+        self.groups = nn.ModuleList(
+            Nvfp4Linear(in_features, out_features, bias=False, device=device) for _ in range(n_groups)
+        )
+
+    @staticmethod
+    def is_hf_grouped(module: nn.Module) -> bool:
+        """Whether ``module`` is a transformers ``DeepseekV4GroupedLinear``."""
+        return type(module).__name__ == "DeepseekV4GroupedLinear"
+
+    @staticmethod
+    def hf_grouped_supported(module: nn.Module) -> bool:
+        """Whether :meth:`from_hf` converts ``module``: no bias (transformers
+        ignores it), block sizes multiples of 16."""
+        n = module.out_features // module.n_groups
+        return module.bias is None and n * module.n_groups == module.out_features and n % 16 == 0 \
+            and module.in_features % 16 == 0
+
+    @classmethod
+    def from_hf(cls, module: nn.Module) -> "Nvfp4GroupedLinear":
+        """Quantizes a transformers ``DeepseekV4GroupedLinear``, each block
+        with the reference NVFP4 rule."""
+        if not cls.is_hf_grouped(module) or not cls.hf_grouped_supported(module):
+            raise TypeError(
+                "Nvfp4GroupedLinear.from_hf: argument 'module' must be a DeepseekV4GroupedLinear without bias and "
+                f"with blocks whose sizes are multiples of 16, got {type(module).__name__}"
+            )
+        n = module.out_features // module.n_groups
+        mod = cls(module.in_features, n, module.n_groups, device=module.weight.device)
+        with torch.no_grad():
+            for g, layer in enumerate(mod.groups):
+                q = nvfp4_quantize(module.weight.detach()[g * n:(g + 1) * n])
+                layer.load_state_dict(Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale).state_dict())
+        return mod
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[-2] != self.n_groups or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Nvfp4GroupedLinear: argument 'x' must have shape [..., {self.n_groups}, {self.in_features}], "
+                f"got {list(x.shape)}"
+            )
+        return torch.stack([layer(x[..., g, :]) for g, layer in enumerate(self.groups)], dim=-2)
+
+    def extra_repr(self) -> str:
+        return f"n_groups={self.n_groups}, in_features={self.in_features}, out_features={self.out_features} per group"
