@@ -43,7 +43,8 @@ def quantize_(
       ``x W^T + b`` (but see the next item);
     - each transformers ``DeepseekV4GroupedLinear`` (the V4 attention's
       block-diagonal ``o_a_proj``) without a bias with an
-      :class:`lowbit.nn.Nvfp4GroupedLinear`, one NVFP4 block per group;
+      :class:`lowbit.nn.Nvfp4GroupedLinear` (``fp8_min_rows`` does not
+      apply to it);
     - with ``moe=True``, each Hugging Face transformers DeepSeek MoE block
       (``DeepseekV3MoE``, ``DeepseekV4SparseMoeBlock``) with an
       :class:`lowbit.nn.Nvfp4MoE` (:meth:`Nvfp4MoE.from_hf`: router,
@@ -83,8 +84,6 @@ def quantize_(
         mod = getattr(parent, child)
         if Nvfp4GroupedLinear.is_hf_grouped(mod):
             layer = Nvfp4GroupedLinear.from_hf(mod)
-            for group in layer.groups:
-                group.fp8_min_rows = fp8_min_rows
         elif isinstance(mod, nn.Linear):
             layer = Nvfp4Linear.from_linear(mod)
             layer.fp8_min_rows = fp8_min_rows

@@ -60,10 +60,10 @@ def tiny_v4(route) -> torch.nn.Module:
 MODELS = {
     # 3 x 5 attention projections, the dense first layer's MLP, lm_head.
     "v3": (tiny_v3, 19, 2, 0),
-    # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head, and the 2
-    # groups of each of the 3 o_a_proj (a DeepseekV4GroupedLinear,
-    # block-diagonal): Nvfp4GroupedLinear holds one Nvfp4Linear per group.
-    "v4": (tiny_v4, 19 + 3 * 2, 3, 3),
+    # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head, and the 3
+    # o_a_proj (DeepseekV4GroupedLinear, block-diagonal), whose
+    # Nvfp4GroupedLinear holds its weight in an Nvfp4Linear.
+    "v4": (tiny_v4, 19 + 3, 3, 3),
 }
 
 
@@ -112,11 +112,9 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
             in_blocks.update(id(lin) for lin in mod.shared_experts.modules())
     with torch.no_grad():
         for mod in ref.modules():
-            if Nvfp4Linear.computes_like(mod) and id(mod) not in in_blocks:
+            grouped = Nvfp4GroupedLinear.is_hf_grouped(mod)
+            if (Nvfp4Linear.computes_like(mod) or grouped) and id(mod) not in in_blocks:
                 mod.weight.copy_(fake_quantized(mod.weight))
-            elif Nvfp4GroupedLinear.is_hf_grouped(mod):  # one block, one global scale, per group
-                blocks = mod.weight.view(mod.n_groups, -1, mod.in_features)
-                mod.weight.copy_(torch.cat([fake_quantized(b) for b in blocks]))
     return ref
 
 
@@ -226,13 +224,17 @@ def test_grouped_linear_computes_its_dequantized_blocks():
     assert Nvfp4GroupedLinear.is_hf_grouped(hf) and hf.n_groups == 2
     mod = Nvfp4GroupedLinear.from_hf(hf)
     assert "n_groups=2" in repr(mod)
-    x = torch.randn(3, 5, 2, hf.in_features).to(torch.bfloat16)
     ref = copy.deepcopy(hf).float()
     with torch.no_grad():
-        ref.weight.copy_(torch.cat([fake_quantized(b) for b in ref.weight.view(2, -1, hf.in_features)]))
-        got, want = mod(x), ref(x.float())
-    assert got.shape == want.shape == (3, 5, 2, hf.out_features // 2)
-    assert rel(got, want) <= 5e-3  # the output rounded to BF16 once
+        ref.weight.copy_(fake_quantized(ref.weight))
+    # 30 rows: one nvfp4_linear over all groups, diagonal blocks kept;
+    # 80 rows: the weight unpacked to BF16 (rounded once more), a bmm.
+    for shape in ((3, 5), (40,)):
+        x = torch.randn(*shape, 2, hf.in_features).to(torch.bfloat16)
+        with torch.no_grad():
+            got, want = mod(x), ref(x.float())
+        assert got.shape == want.shape == (*shape, 2, hf.out_features // 2)
+        assert rel(got, want) <= 5e-3, (shape, rel(got, want))
     with pytest.raises(ValueError, match=r"argument 'x' must have shape \[\.\.\., 2, 128\], got \[3, 64\]"):
         mod(torch.randn(3, 64).to(torch.bfloat16))
     with pytest.raises(TypeError, match="must be a DeepseekV4GroupedLinear without bias"):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..linear import nvfp4_linear, nvfp4_prepack
+from ..linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack
 from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
@@ -138,12 +138,26 @@ class Nvfp4Linear(KeepsDtypes):
 
 
 class Nvfp4GroupedLinear(KeepsDtypes):
-    """A block-diagonal Linear with NVFP4 blocks: x [..., G, K] -> [..., G, N],
-    group g multiplied by its own [N, K] block (one :class:`Nvfp4Linear`
-    each, in ``groups``; its own global scale). It is transformers'
-    ``DeepseekV4GroupedLinear`` (the V4 attention's ``o_a_proj``), whose
-    weight [G * N, K] holds block g in rows g N .. g N + N - 1 and which
-    ignores its bias; :meth:`from_hf` converts one without a bias."""
+    """A block-diagonal Linear with an NVFP4 weight: x [..., G, K] ->
+    [..., G, N], group g multiplied by block g of the weight [G * N, K]
+    (rows g N .. g N + N - 1). It is transformers' ``DeepseekV4GroupedLinear``
+    (the V4 attention's ``o_a_proj``), which ignores its bias;
+    :meth:`from_hf` converts one without a bias. The weight is one
+    :class:`Nvfp4Linear` (``linear``, one global scale, as the checkpoint's
+    one tensor).
+
+    Up to ``max_fused_rows`` rows of x (tokens times G) it runs as one
+    nvfp4_linear over all groups, every token's G slices against the whole
+    weight, and keeps the diagonal blocks: G times the products, but the
+    weight is read once, which is what decode is bound by. Above, the weight
+    is unpacked to x's dtype and the groups run as one batched matmul.
+    """
+
+    # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
+    # "Nvfp4GroupedLinear"): the fused form 2.45x BF16 at 8 rows, 1.13x at
+    # 128, 0.83x at 256; the unpacked form 0.44-0.51x up to 2048 rows, 0.85x
+    # at 16384.
+    max_fused_rows = 128
 
     def __init__(self, in_features: int, out_features: int, n_groups: int,
                  device: torch.device | str | None = None) -> None:
@@ -151,9 +165,7 @@ class Nvfp4GroupedLinear(KeepsDtypes):
         if not isinstance(n_groups, int) or n_groups < 1:
             raise ValueError(f"Nvfp4GroupedLinear: n_groups must be a positive int, got {n_groups!r}")
         self.in_features, self.out_features, self.n_groups = in_features, out_features, n_groups
-        self.groups = nn.ModuleList(
-            Nvfp4Linear(in_features, out_features, bias=False, device=device) for _ in range(n_groups)
-        )
+        self.linear = Nvfp4Linear(in_features, n_groups * out_features, bias=False, device=device)
 
     @staticmethod
     def is_hf_grouped(module: nn.Module) -> bool:
@@ -163,35 +175,40 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     @staticmethod
     def hf_grouped_supported(module: nn.Module) -> bool:
         """Whether :meth:`from_hf` converts ``module``: no bias (transformers
-        ignores it), block sizes multiples of 16."""
+        ignores it), sizes multiples of 16."""
         n = module.out_features // module.n_groups
         return module.bias is None and n * module.n_groups == module.out_features and n % 16 == 0 \
             and module.in_features % 16 == 0
 
     @classmethod
     def from_hf(cls, module: nn.Module) -> "Nvfp4GroupedLinear":
-        """Quantizes a transformers ``DeepseekV4GroupedLinear``, each block
-        with the reference NVFP4 rule."""
+        """Quantizes a transformers ``DeepseekV4GroupedLinear``'s weight with
+        the reference NVFP4 rule."""
         if not cls.is_hf_grouped(module) or not cls.hf_grouped_supported(module):
             raise TypeError(
                 "Nvfp4GroupedLinear.from_hf: argument 'module' must be a DeepseekV4GroupedLinear without bias and "
-                f"with blocks whose sizes are multiples of 16, got {type(module).__name__}"
+                f"with sizes that are multiples of 16, got {type(module).__name__}"
             )
-        n = module.out_features // module.n_groups
-        mod = cls(module.in_features, n, module.n_groups, device=module.weight.device)
+        mod = cls(module.in_features, module.out_features // module.n_groups, module.n_groups,
+                  device=module.weight.device)
         with torch.no_grad():
-            for g, layer in enumerate(mod.groups):
-                q = nvfp4_quantize(module.weight.detach()[g * n:(g + 1) * n])
-                layer.load_state_dict(Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale).state_dict())
+            q = nvfp4_quantize(module.weight.detach())
+            mod.linear.load_state_dict(Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale).state_dict())
         return mod
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 2 or x.shape[-2] != self.n_groups or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Nvfp4GroupedLinear: argument 'x' must have shape [..., {self.n_groups}, {self.in_features}], "
-                f"got {list(x.shape)}"
-            )
-        return torch.stack([layer(x[..., g, :]) for g, layer in enumerate(self.groups)], dim=-2)
+        g, k, n = self.n_groups, self.in_features, self.out_features
+        if x.dim() < 2 or x.shape[-2] != g or x.shape[-1] != k:
+            raise ValueError(f"Nvfp4GroupedLinear: argument 'x' must have shape [..., {g}, {k}], got {list(x.shape)}")
+        lead = x.shape[:-2]
+        rows = x.reshape(-1, k)  # token t's group j at row t G + j
+        if rows.shape[0] <= self.max_fused_rows:
+            every = self.linear(rows).view(-1, g, g, n)  # [T, j, block, N]
+            return every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(*lead, g, n)
+        lin = self.linear
+        w = nvfp4_unpack(lin.weight, lin.weight_scale, lin.weight_global, k, x.dtype).view(g, n, k)
+        y = torch.bmm(rows.view(-1, g, k).transpose(0, 1), w.transpose(1, 2))  # [G, T, N]
+        return y.transpose(0, 1).reshape(*lead, g, n)
 
     def extra_repr(self) -> str:
         return f"n_groups={self.n_groups}, in_features={self.in_features}, out_features={self.out_features} per group"
