@@ -67,24 +67,39 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
   return a;
 }
 
+namespace {
+
+// The prepacked weight [N, Kp/2] uint8, its scales [N, Kp/16] uint8 and the
+// global [] float32 for K (Kp = K rounded up to 128), for op `op`.
+void check_prepacked_weight(const char* op, const at::Tensor& weight, const at::Tensor& weight_scale,
+                            const at::Tensor& weight_global, const c10::SymInt& k) {
+  check_dtype(weight, op, "weight", {at::kByte});
+  check_dims(weight, op, "weight", {2});
+  check_dtype(weight_scale, op, "weight_scale", {at::kByte});
+  check_dims(weight_scale, op, "weight_scale", {2});
+  check_dtype(weight_global, op, "weight_global", {at::kFloat});
+  const c10::SymInt kp = padded_k_sym(k);
+  TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", op,
+                    ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
+                    weight.sym_sizes());
+  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", op,
+                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
+                    kp / 2, "], got ", weight.sym_sizes());
+  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, op, "weight_scale");
+  check_shape(weight_global, c10::SymDimVector{}, op, "weight_global");
+}
+
+}  // namespace
+
 void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
                   const c10::SymInt& k, at::ScalarType dtype) {
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "lowbit.", kUnpack,
                    ": argument 'dtype' must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype);
   TORCH_CHECK_VALUE(k >= 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kUnpack,
                     ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
-  check_dtype(weight, kUnpack, "weight", {at::kByte});
-  check_dims(weight, kUnpack, "weight", {2});
-  check_dtype(weight_scale, kUnpack, "weight_scale", {at::kByte});
-  check_dtype(weight_global, kUnpack, "weight_global", {at::kFloat});
   check_same_device(weight_scale, weight, kUnpack, "weight_scale", "weight");
   check_same_device(weight_global, weight, kUnpack, "weight_global", "weight");
-  const c10::SymInt kp = padded_k_sym(k);
-  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", kUnpack,
-                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
-                    kp / 2, "], got ", weight.sym_sizes());
-  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, kUnpack, "weight_scale");
-  check_shape(weight_global, c10::SymDimVector{}, kUnpack, "weight_global");
+  check_prepacked_weight(kUnpack, weight, weight_scale, weight_global, k);
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -98,24 +113,10 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   TORCH_CHECK_VALUE(x.dim() >= 1, "lowbit.", kLinear, ": argument 'x' must be at least 1-D, got shape ",
                     x.sym_sizes());
   check_last_dim_multiple(x, nvfp4::kBlockSize, kLinear, "x");
-  check_dtype(weight, kLinear, "weight", {at::kByte});
-  check_dims(weight, kLinear, "weight", {2});
-  check_dtype(weight_scale, kLinear, "weight_scale", {at::kByte});
-  check_dims(weight_scale, kLinear, "weight_scale", {2});
-  check_dtype(weight_global, kLinear, "weight_global", {at::kFloat});
   check_same_device(weight, x, kLinear, "weight", "x");
   check_same_device(weight_scale, x, kLinear, "weight_scale", "x");
   check_same_device(weight_global, x, kLinear, "weight_global", "x");
-  const c10::SymInt& k = x.sym_sizes().back();
-  const c10::SymInt kp = padded_k_sym(k);
-  TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", kLinear,
-                    ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
-                    weight.sym_sizes());
-  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", kLinear,
-                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
-                    kp / 2, "], got ", weight.sym_sizes());
-  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, kLinear, "weight_scale");
-  check_shape(weight_global, c10::SymDimVector{}, kLinear, "weight_global");
+  check_prepacked_weight(kLinear, weight, weight_scale, weight_global, x.sym_sizes().back());
   if (bias.has_value()) {
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "lowbit.", kLinear,
                      ": argument 'bias' must have the dtype of 'x' (", x.scalar_type(), "), got ",
@@ -149,6 +150,15 @@ std::tuple<at::Tensor, at::Tensor> prepack_meta(const at::Tensor& weight, const 
   return empty_prepack_outputs(weight);
 }
 
+// The prepacked weight unpacked into a new [N, K] tensor of `dtype` on the
+// CPU, times `global` (a float32 [] tensor).
+at::Tensor unpacked_cpu(const at::Tensor& w, const at::Tensor& s, const at::Tensor& global, int64_t k,
+                        at::ScalarType dtype) {
+  at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(dtype));
+  if (out.numel() > 0) nvfp4::gemm::unpack_cpu(unpack_args(w, s, global, out));
+  return out;
+}
+
 // The FP8 mode's rounding of FP32 rows `v` [R, K] (nvfp4_gemm.h,
 // Fp8WeightArgs): the E4M3 values (as FP32) and each row's amax / 448.
 std::tuple<at::Tensor, at::Tensor> fp8_rows_reference(const at::Tensor& v) {
@@ -174,37 +184,27 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::T
     // E4M3, an FP32 GEMM of the codes, the row scales (the global scale in
     // W's) applied to the FP32 sums.
     using nvfp4::gemm::kE4m3Max;
-    const at::Tensor one = at::ones({}, g.options());
-    at::Tensor w_unscaled = at::empty({n, k}, x.options().dtype(at::kFloat));
-    nvfp4::gemm::unpack_cpu(unpack_args(w, s, one, w_unscaled));
-    auto [w8, w_amax] = fp8_rows_reference(w_unscaled);
+    auto [w8, w_amax] = fp8_rows_reference(unpacked_cpu(w, s, at::ones({}, g.options()), k, at::kFloat));
     auto [x8, x_amax] = fp8_rows_reference(x.reshape({m, k}).to(at::kFloat));
     const at::Tensor w_scale = w_amax * g / kE4m3Max, x_scale = x_amax / kE4m3Max;
     std::vector<int64_t> out_shape = x.sizes().vec();
     out_shape.back() = n;
     y = (at::matmul(x8, w8.t()) * x_scale.unsqueeze(1) * w_scale.unsqueeze(0)).view(out_shape);
   } else {
-    at::Tensor dequant = at::empty({n, k}, x.options().dtype(at::kFloat));
-    nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, dequant));
-    y = at::matmul(x.to(at::kFloat), dequant.t());
+    y = at::matmul(x.to(at::kFloat), unpacked_cpu(w, s, g, k, at::kFloat).t());
   }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());
 }
 
-at::Tensor unpack_weight_cpu(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
-                      int64_t k, at::ScalarType dtype) {
+at::Tensor unpack_weight_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
+                             const at::Tensor& weight_global, int64_t k, at::ScalarType dtype) {
   check_unpack(weight, weight_scale, weight_global, k, dtype);
-  at::Tensor out = at::empty({weight.size(0), k}, weight.options().dtype(dtype));
-  auto w = weight.contiguous();
-  auto s = weight_scale.contiguous();
-  auto g = weight_global.contiguous();
-  if (out.numel() > 0) nvfp4::gemm::unpack_cpu(unpack_args(w, s, g, out));
-  return out;
+  return unpacked_cpu(weight.contiguous(), weight_scale.contiguous(), weight_global.contiguous(), k, dtype);
 }
 
-at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
-                       c10::SymInt k, at::ScalarType dtype) {
+at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const at::Tensor& weight_global, c10::SymInt k, at::ScalarType dtype) {
   check_unpack(weight, weight_scale, weight_global, k, dtype);
   return at::empty_symint(c10::SymDimVector{weight.sym_size(0), k}, weight.options().dtype(dtype));
 }

@@ -37,17 +37,21 @@ std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const 
   return out;
 }
 
-at::Tensor unpack_weight_cuda(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
-                       int64_t k, at::ScalarType dtype) {
+// The prepacked weight (16-byte aligned) unpacked into a new [N, K] tensor
+// of `dtype`, global scale included.
+at::Tensor unpacked_cuda(const at::Tensor& w, const at::Tensor& s, const at::Tensor& g, int64_t k,
+                         at::ScalarType dtype, cudaStream_t stream) {
+  at::Tensor out = at::empty({w.size(0), k}, w.options().dtype(dtype));
+  if (out.numel() > 0) C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, out), stream));
+  return out;
+}
+
+at::Tensor unpack_weight_cuda(const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const at::Tensor& weight_global, int64_t k, at::ScalarType dtype) {
   check_unpack(weight, weight_scale, weight_global, k, dtype);
   c10::cuda::CUDAGuard guard(weight.device());
-  at::Tensor out = at::empty({weight.size(0), k}, weight.options().dtype(dtype));
-  if (out.numel() == 0) return out;
-  auto w = contiguous_aligned(weight, 16);
-  auto s = contiguous_aligned(weight_scale, 16);
-  auto g = weight_global.contiguous();
-  C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, out), c10::cuda::getCurrentCUDAStream()));
-  return out;
+  return unpacked_cuda(contiguous_aligned(weight, 16), contiguous_aligned(weight_scale, 16),
+                       weight_global.contiguous(), k, dtype, c10::cuda::getCurrentCUDAStream());
 }
 
 // The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/nvfp4_gemm_fp8.cu),
@@ -107,9 +111,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
   if (plan.path == gemm::LinearPath::kUnpack) {
-    at::Tensor dequant = at::empty({n, k}, x.options());
-    C10_CUDA_CHECK(gemm::unpack_cuda(unpack_args(w, s, g, dequant), stream));
-    return at::linear(x2, dequant, bias).view(out_shape);
+    return at::linear(x2, unpacked_cuda(w, s, g, k, x.scalar_type(), stream), bias).view(out_shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor workspace;

@@ -79,7 +79,7 @@ def _linear_backward(ctx, grad_y: Tensor):
     weight, weight_scale, weight_global = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_x = grad_y @ torch.ops.lowbit.nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
+        grad_x = grad_y @ nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
     if ctx.needs_input_grad[4]:
         grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
     return grad_x, None, None, None, grad_bias, None

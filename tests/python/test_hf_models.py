@@ -123,8 +123,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def devices() -> list:
-    cuda = pytest.mark.skipif(not (torch.cuda.is_available() and lowbit.has_cuda_kernels()), reason="needs a GPU")
-    return ["cpu", pytest.param("cuda", marks=cuda)]
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("device", devices())
@@ -173,7 +172,7 @@ def test_quantized_model_compiles_in_one_graph(family, device):
         assert torch.equal(compiled(ids).logits, model(ids).logits)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and lowbit.has_cuda_kernels()), reason="needs a GPU")
+@pytest.mark.cuda
 def test_cuda_compiled_static_cache_generation():
     """transformers' fast generation path: a static cache and the forward
     under torch.compile(fullgraph=True), Inductor included. Inductor fuses

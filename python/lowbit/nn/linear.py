@@ -154,8 +154,8 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     """
 
     # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
-    # "Nvfp4GroupedLinear"): the fused form 2.45x BF16 at 8 rows, 1.13x at
-    # 128, 0.83x at 256; the unpacked form 0.44-0.51x up to 2048 rows, 0.85x
+    # "Nvfp4GroupedLinear"): the fused form 2.48x BF16 at 8 rows, 1.14x at
+    # 128, 0.83x at 256; the unpacked form 0.44-0.50x up to 2048 rows, 0.85x
     # at 16384.
     max_fused_rows = 128
 
@@ -189,11 +189,10 @@ class Nvfp4GroupedLinear(KeepsDtypes):
                 "Nvfp4GroupedLinear.from_hf: argument 'module' must be a DeepseekV4GroupedLinear without bias and "
                 f"with sizes that are multiples of 16, got {type(module).__name__}"
             )
-        mod = cls(module.in_features, module.out_features // module.n_groups, module.n_groups,
-                  device=module.weight.device)
+        mod = cls(module.in_features, module.out_features // module.n_groups, module.n_groups, device="meta")
         with torch.no_grad():
             q = nvfp4_quantize(module.weight.detach())
-            mod.linear.load_state_dict(Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale).state_dict())
+            mod.linear = Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale)
         return mod
 
     def forward(self, x: Tensor) -> Tensor:
