@@ -155,9 +155,9 @@ class Nvfp4GroupedLinear(KeepsDtypes):
 
     # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
     # "Nvfp4GroupedLinear"): the fused form 2.48x BF16 at 8 rows, 1.14x at
-    # 128, 0.83x at 256; the unpacked form 0.44-0.50x up to 2048 rows, 0.85x
-    # at 16384.
-    max_fused_rows = 128
+    # 128, 0.83x at 256, 0.54x at 512, 0.16x at 2048; the unpacked form
+    # 0.44-0.46x up to 512 rows, 0.50x at 2048, 0.85x at 16384.
+    max_fused_rows = 512
 
     def __init__(self, in_features: int, out_features: int, n_groups: int,
                  device: torch.device | str | None = None) -> None:
@@ -189,10 +189,24 @@ class Nvfp4GroupedLinear(KeepsDtypes):
                 "Nvfp4GroupedLinear.from_hf: argument 'module' must be a DeepseekV4GroupedLinear without bias and "
                 f"with sizes that are multiples of 16, got {type(module).__name__}"
             )
-        mod = cls(module.in_features, module.out_features // module.n_groups, module.n_groups, device="meta")
         with torch.no_grad():
             q = nvfp4_quantize(module.weight.detach())
-            mod.linear = Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale)
+            return cls.from_checkpoint(module.n_groups, q.packed, q.block_scale, q.global_scale)
+
+    @classmethod
+    def from_checkpoint(
+        cls, n_groups: int, weight: Tensor, weight_scale: Tensor, weight_global: Tensor
+    ) -> "Nvfp4GroupedLinear":
+        """From the checkpoint-layout tensors of the whole [G * N, K] weight
+        (as :meth:`Nvfp4Linear.from_checkpoint` takes them)."""
+        n_rows = weight.shape[0]
+        if not isinstance(n_groups, int) or n_groups < 1 or n_rows % n_groups:
+            raise ValueError(
+                f"Nvfp4GroupedLinear.from_checkpoint: argument 'n_groups' must be a positive divisor of the weight's "
+                f"{n_rows} rows, got {n_groups!r}"
+            )
+        mod = cls(weight.shape[1] * 2, n_rows // n_groups, n_groups, device="meta")
+        mod.linear = Nvfp4Linear.from_checkpoint(weight, weight_scale, weight_global)
         return mod
 
     def forward(self, x: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ choose the compute dtype), only ``.to(device)`` applies.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,11 @@ _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 _HASH_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
 _ROUTER_DTYPES = (torch.bfloat16, torch.float32)
 _ALL_OR_NONE = "shared_up_proj and shared_down_proj: give all three or none"
+_ONE_W13_GLOBAL = (
+    "The fused gate+up weight has one global scale per expert, and the NVFP4 codes cannot be requantized to a "
+    "common scale without loss; export the checkpoint with shared gate/up global scales (ModelOpt does so for "
+    "fused layers)"
+)
 # Hugging Face transformers' DeepSeek MoE blocks (Nvfp4MoE.from_hf), and the
 # class names of their experts' activation and their gates' score functions.
 _HF_MOE_BLOCKS = {"DeepseekV3MoE": "v3", "DeepseekV4SparseMoeBlock": "v4"}
@@ -123,9 +128,7 @@ def _per_expert_global(t: object, n: int, where: str, arg: str, allow_pair: bool
                 raise ValueError(_err(
                     where, arg,
                     f"holds different gate and up global scales for {differ.numel()} expert(s), first expert {e}: "
-                    f"{g[e, 0].item()!r} vs {g[e, 1].item()!r}. The fused gate+up weight has one global scale per "
-                    "expert, and the NVFP4 codes cannot be requantized to a common scale without loss; export the "
-                    "checkpoint with shared gate/up global scales (ModelOpt does so for fused layers)",
+                    f"{g[e, 0].item()!r} vs {g[e, 1].item()!r}. {_ONE_W13_GLOBAL}",
                 ))
         g = g[:, 0]
     if tuple(g.shape) != (n,):
@@ -248,16 +251,24 @@ class Nvfp4MoE(KeepsDtypes):
 
     # ---- construction -----------------------------------------------------
 
+    def _load_expert(self, e: int, w13: Tensor, w13_scale: Tensor, w13_global: Tensor, w2: Tensor,
+                     w2_scale: Tensor, w2_global: Tensor) -> None:
+        """Checkpoint-layout expert ``e`` (index E: a fused shared expert) ->
+        its slice of the prepacked buffers. One expert at a time: converting
+        a layer needs the module and one expert's copies, not the layer's."""
+        packed = nvfp4_moe_prepack(w13.unsqueeze(0), w13_scale.unsqueeze(0), w2.unsqueeze(0), w2_scale.unsqueeze(0))
+        self.w13[e].copy_(packed.w13[0])
+        self.w13_scale[e].copy_(packed.w13_scale[0])
+        self.w2[e].copy_(packed.w2[0])
+        self.w2_scale[e].copy_(packed.w2_scale[0])
+        self.w13_global[e] = w13_global
+        self.w2_global[e] = w2_global
+
     def _load_experts(self, w13: Tensor, w13_scale: Tensor, w13_global: Tensor, w2: Tensor, w2_scale: Tensor,
                       w2_global: Tensor) -> None:
-        """Checkpoint-layout stacked experts (shared expert included when fused) -> prepacked buffers."""
-        packed = nvfp4_moe_prepack(w13, w13_scale, w2, w2_scale)
-        self.w13.copy_(packed.w13)
-        self.w13_scale.copy_(packed.w13_scale)
-        self.w2.copy_(packed.w2)
-        self.w2_scale.copy_(packed.w2_scale)
-        self.w13_global.copy_(w13_global)
-        self.w2_global.copy_(w2_global)
+        """Checkpoint-layout stacked experts -> prepacked buffers (from expert 0)."""
+        for e in range(w13.shape[0]):
+            self._load_expert(e, w13[e], w13_scale[e], w13_global[e], w2[e], w2_scale[e], w2_global[e])
 
     def _load_router(self, weight: Tensor, bias: Tensor | None, tid2eid: Tensor | None, where: str) -> None:
         _check_shape(weight, (self.n_experts, self.hidden_size), where, "router_weight")
@@ -348,17 +359,15 @@ class Nvfp4MoE(KeepsDtypes):
             gu, down = gu.detach(), down.detach()
             if shared_i is not None:
                 shared_gu = torch.cat([shared_gate_proj.detach(), shared_up_proj.detach()]).to(gu.dtype)
-            q13, q2 = nvfp4_quantize(gu), nvfp4_quantize(down)
+            mod._load_experts(*nvfp4_quantize(gu), *nvfp4_quantize(down))
             if mod.shared_fused:
-                # The shared expert (expert E) quantized on its own and its codes
-                # appended: the same bytes as quantizing the stacked weights (one
-                # global per expert), without a stacked copy of every expert's
+                # The shared expert (expert E) quantized on its own: the same
+                # bytes as quantizing it stacked with the others (one global
+                # per expert), without a stacked copy of every expert's
                 # unquantized weights (8.6 GB for a DeepSeek-V4-Flash gate_up).
-                s13 = nvfp4_quantize(shared_gu.unsqueeze(0))
-                s2 = nvfp4_quantize(shared_down_proj.detach().to(down.dtype).unsqueeze(0))
-                q13 = [torch.cat(pair) for pair in zip(q13, s13)]
-                q2 = [torch.cat(pair) for pair in zip(q2, s2)]
-            mod._load_experts(*q13, *q2)
+                q13 = nvfp4_quantize(shared_gu)
+                q2 = nvfp4_quantize(shared_down_proj.detach().to(down.dtype))
+                mod._load_expert(e, *q13, *q2)
             if shared_i is not None and not mod.shared_fused:
                 mod.shared_gate_up.load_state_dict(Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_gu)).state_dict())
                 mod.shared_down.load_state_dict(
@@ -428,14 +437,30 @@ class Nvfp4MoE(KeepsDtypes):
         _check_shape(s2, (e, h, i // 16), where, "w2_weight_scale")
         g13 = _per_expert_global(w13_weight_scale_2, e, where, "w13_weight_scale_2", allow_pair=True)
         g2 = _per_expert_global(w2_weight_scale_2, e, where, "w2_weight_scale_2", allow_pair=False)
-        shared = (shared_gate_proj, shared_up_proj, shared_down_proj)
+        routing = dict(k=k, mode=mode, tid2eid=tid2eid, score_func=score_func, n_group=n_group, topk_group=topk_group,
+                       renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, swiglu_limit=swiglu_limit)
+        return cls._from_experts(
+            where, h, i, e, lambda j: (w13[j], s13[j], g13[j], w2[j], s2[j], g2[j]), w13.device,
+            (shared_gate_proj, shared_up_proj, shared_down_proj), router_weight, e_score_correction_bias, routing,
+        )
+
+    @classmethod
+    def _from_experts(
+        cls, where: str, h: int, i: int, n_experts: int, expert: Callable[[int], tuple[Tensor, ...]],
+        device: torch.device, shared: tuple, router_weight: Tensor, e_score_correction_bias: Tensor | None,
+        routing: dict,
+    ) -> "Nvfp4MoE":
+        """The module from checked ModelOpt tensors, ``expert(e)`` giving
+        expert e's (w13 [2I, H/2], w13 scale codes, global [], w2 [H, I/2],
+        w2 scale codes, global []), called once per expert, in order;
+        ``shared``: the shared expert's three triples, or three Nones."""
         if any(t is not None for t in shared) and any(t is None for t in shared):
             raise ValueError(_err(where, "shared_gate_proj", _ALL_OR_NONE))
         shared_i = None
-        if shared_gate_proj is not None:
-            gw, gs, gg = _split_triplet(shared_gate_proj, where, "shared_gate_proj")
-            uw, us, ug = _split_triplet(shared_up_proj, where, "shared_up_proj")
-            dw, ds, dg = _split_triplet(shared_down_proj, where, "shared_down_proj")
+        if shared[0] is not None:
+            gw, gs, gg = _split_triplet(shared[0], where, "shared_gate_proj")
+            uw, us, ug = _split_triplet(shared[1], where, "shared_up_proj")
+            dw, ds, dg = _split_triplet(shared[2], where, "shared_down_proj")
             gw = _check_tensor(gw, where, "shared_gate_proj", 2, floating=False)
             shared_i = gw.shape[0]
             _check_shape(gw, (shared_i, h // 2), where, "shared_gate_proj")
@@ -455,25 +480,21 @@ class Nvfp4MoE(KeepsDtypes):
                     "loss, so gate and up must share their weight_scale_2",
                 ))
             shared_w13, shared_s13 = torch.cat([gw, uw]), torch.cat([gs, us])
-        cfg = cls._router_config(where, router_weight, e_score_correction_bias, mode, tid2eid, None)
-        cfg["device"] = w13.device
-        mod = cls(h, i, e, k, score_func=score_func, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
-                  routed_scaling_factor=routed_scaling_factor, swiglu_limit=swiglu_limit,
-                  shared_intermediate_size=shared_i, **cfg)
+        cfg = cls._router_config(where, router_weight, e_score_correction_bias, routing["mode"], routing["tid2eid"],
+                                 None)
+        cfg["device"] = device
+        kwargs = {k: v for k, v in routing.items() if k not in ("mode", "tid2eid")}
+        mod = cls(h, i, n_experts, shared_intermediate_size=shared_i, **kwargs, **cfg)
         with torch.no_grad():
-            if mod.shared_fused:
-                w13 = torch.cat([w13, shared_w13.unsqueeze(0)])
-                s13 = torch.cat([s13, shared_s13.unsqueeze(0)])
-                g13 = torch.cat([g13, gg.reshape(1)])
-                w2 = torch.cat([w2, dw.unsqueeze(0)])
-                s2 = torch.cat([s2, ds.unsqueeze(0)])
-                g2 = torch.cat([g2, dg.reshape(1)])
-            mod._load_experts(w13, s13, g13, w2, s2, g2)
-            if shared_i is not None and not mod.shared_fused:
+            for e in range(n_experts):
+                mod._load_expert(e, *expert(e))
+            if shared_i is not None and mod.shared_fused:
+                mod._load_expert(n_experts, shared_w13, shared_s13, gg, dw, ds, dg)
+            elif shared_i is not None:
                 mod.shared_gate_up.load_state_dict(Nvfp4Linear.from_modelopt(shared_w13, shared_s13, gg).state_dict())
                 mod.shared_down.load_state_dict(Nvfp4Linear.from_modelopt(dw, ds, dg).state_dict())
-            mod._load_router(router_weight.detach().to(mod.router.weight.device), e_score_correction_bias, tid2eid,
-                             where)
+            mod._load_router(router_weight.detach().to(mod.router.weight.device), e_score_correction_bias,
+                             routing["tid2eid"], where)
         return mod
 
     @staticmethod
@@ -491,24 +512,10 @@ class Nvfp4MoE(KeepsDtypes):
         return all(v % 16 == 0 for v in (h, two_i // 2, shared))
 
     @classmethod
-    def from_hf(cls, block: nn.Module) -> "Nvfp4MoE":
-        """Quantizes a Hugging Face transformers (5.x) DeepSeek MoE block,
-        ``DeepseekV3MoE`` or ``DeepseekV4SparseMoeBlock``, into an equivalent
-        ``Nvfp4MoE`` (router, routed experts and shared expert; the experts
-        with :meth:`from_bf16`'s rule, the gate unquantized):
-
-        - V3: sigmoid scores, group-limited selection (``n_group``,
-          ``topk_group``), ``norm_topk_prob``, unclamped SwiGLU;
-        - V4: the gate's score function (sqrtsoftplus or sigmoid), clamped
-          SwiGLU (the experts' ``limit``), and for hash layers
-          (``block.is_hash``) the ``tid2eid`` table; ``forward`` takes the
-          token ids as ``input_ids``, as V4's decoder layer passes them.
-
-        The router runs in float32 from the gate weight (V3 does too; V4
-        rounds its gate logits to the model's dtype first, so near-tied
-        expert choices can differ). An fp16 gate weight is kept as float32.
-        """
-        where = ".from_hf"
+    def _hf_routing(cls, block: nn.Module, where: str) -> tuple[Tensor, Tensor | None, dict]:
+        """A transformers DeepSeek MoE block's router weight, correction
+        bias and the routing/activation keyword arguments of
+        :meth:`from_bf16` / :meth:`from_modelopt` (see :meth:`from_hf`)."""
         family = _HF_MOE_BLOCKS.get(type(block).__name__)
         if family is None:
             raise TypeError(_err(where, "block", f"must be one of {sorted(_HF_MOE_BLOCKS)}, got {type(block).__name__}"))
@@ -531,14 +538,97 @@ class Nvfp4MoE(KeepsDtypes):
         router_weight = gate.weight.detach()
         if router_weight.dtype not in _ROUTER_DTYPES:
             router_weight = router_weight.float()
-        return cls.from_bf16(
-            experts.gate_up_proj, experts.down_proj, router_weight,
-            None if hash_mode else gate.e_score_correction_bias,
+        bias = None if hash_mode else gate.e_score_correction_bias
+        routing = dict(
             k=gate.top_k, mode="hash" if hash_mode else "dense", tid2eid=gate.tid2eid if hash_mode else None,
             score_func=score_func, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
             routed_scaling_factor=float(gate.routed_scaling_factor), swiglu_limit=limit,
+        )
+        return router_weight, bias, routing
+
+    @classmethod
+    def from_hf(cls, block: nn.Module) -> "Nvfp4MoE":
+        """Quantizes a Hugging Face transformers (5.x) DeepSeek MoE block,
+        ``DeepseekV3MoE`` or ``DeepseekV4SparseMoeBlock``, into an equivalent
+        ``Nvfp4MoE`` (router, routed experts and shared expert; the experts
+        with :meth:`from_bf16`'s rule, the gate unquantized):
+
+        - V3: sigmoid scores, group-limited selection (``n_group``,
+          ``topk_group``), ``norm_topk_prob``, unclamped SwiGLU;
+        - V4: the gate's score function (sqrtsoftplus or sigmoid), clamped
+          SwiGLU (the experts' ``limit``), and for hash layers
+          (``block.is_hash``) the ``tid2eid`` table; ``forward`` takes the
+          token ids as ``input_ids``, as V4's decoder layer passes them.
+
+        The router runs in float32 from the gate weight (V3 does too; V4
+        rounds its gate logits to the model's dtype first, so near-tied
+        expert choices can differ). An fp16 gate weight is kept as float32.
+        """
+        router_weight, bias, routing = cls._hf_routing(block, ".from_hf")
+        experts, shared = block.experts, block.shared_experts
+        return cls.from_bf16(
+            experts.gate_up_proj, experts.down_proj, router_weight, bias, **routing,
             shared_gate_proj=shared.gate_proj.weight, shared_up_proj=shared.up_proj.weight,
             shared_down_proj=shared.down_proj.weight,
+        )
+
+    @classmethod
+    def from_hf_modelopt(
+        cls,
+        block: nn.Module,
+        expert: Callable[[int], Sequence[Tensor]],
+        *,
+        shared_gate_proj: Sequence[Tensor],
+        shared_up_proj: Sequence[Tensor],
+        shared_down_proj: Sequence[Tensor],
+    ) -> "Nvfp4MoE":
+        """A transformers DeepSeek MoE block whose experts come from an NVFP4
+        checkpoint: the routing (router weight, correction bias, hash table,
+        score function, groups, clamp) from ``block`` as :meth:`from_hf`
+        reads it; ``block``'s own expert weights are not read (they may be on
+        the meta device).
+
+        ``expert(e)`` gives routed expert e's ModelOpt tensors, as one
+        expert of :meth:`from_modelopt`'s stacks: ``(w13_weight [2I, H/2],
+        w13_weight_scale [2I, H/16], w13_weight_scale_2 (one global, or
+        equal gate and up globals), w2_weight [H, I/2], w2_weight_scale
+        [H, I/16], w2_weight_scale_2)``. It is called once per expert, in
+        order, so that a checkpoint can be read one expert at a time: the
+        conversion holds the module and one expert's tensors. The shared
+        expert as in :meth:`from_modelopt`.
+        """
+        where = ".from_hf_modelopt"
+        router_weight, bias, routing = cls._hf_routing(block, where)
+        n_experts, two_i, h = block.experts.gate_up_proj.shape
+        i = two_i // 2
+
+        def checked(e: int) -> tuple[Tensor, ...]:
+            tensors = expert(e)
+            arg = f"expert({e})"
+            if not isinstance(tensors, (tuple, list)) or len(tensors) != 6:
+                raise TypeError(_err(where, arg, "must return the 6 ModelOpt tensors (w13_weight, w13_weight_scale, "
+                                                 "w13_weight_scale_2, w2_weight, w2_weight_scale, w2_weight_scale_2)"))
+            w13, s13, g13, w2, s2, g2 = tensors
+            _check_shape(_check_tensor(w13, where, f"{arg} w13_weight", 2, floating=False), (two_i, h // 2), where,
+                         f"{arg} w13_weight")
+            _check_shape(_check_tensor(w2, where, f"{arg} w2_weight", 2, floating=False), (h, i // 2), where,
+                         f"{arg} w2_weight")
+            s13 = _scale_codes(s13, where, f"{arg} w13_weight_scale")
+            s2 = _scale_codes(s2, where, f"{arg} w2_weight_scale")
+            _check_shape(s13, (two_i, h // 16), where, f"{arg} w13_weight_scale")
+            _check_shape(s2, (h, i // 16), where, f"{arg} w2_weight_scale")
+            if not isinstance(g13, Tensor) or g13.numel() not in (1, 2):
+                raise ValueError(_err(where, f"{arg} w13_weight_scale_2", "must hold one global scale, or equal "
+                                                                          "gate and up ones"))
+            g13 = g13.detach().float().flatten()
+            if g13.numel() == 2 and g13[0] != g13[1]:
+                raise ValueError(_err(where, f"{arg} w13_weight_scale_2", "holds different gate and up global "
+                                      f"scales, {g13[0].item()!r} vs {g13[1].item()!r}. {_ONE_W13_GLOBAL}"))
+            return w13, s13, g13[0], w2, s2, _scalar_global(g2, where, f"{arg} w2_weight_scale_2")
+
+        return cls._from_experts(
+            where, h, i, n_experts, checked, router_weight.device, (shared_gate_proj, shared_up_proj, shared_down_proj),
+            router_weight, bias, routing,
         )
 
     # ---- forward ----------------------------------------------------------
