@@ -9,6 +9,7 @@ from .routing import dense_router, hash_router, route, topk  # noqa: E402
 from .linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack  # noqa: E402
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
+from .checkpoint import load_checkpoint_, load_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,8 @@ __all__ = [
     "dense_router",
     "hash_router",
     "has_cuda_kernels",
+    "load_checkpoint_",
+    "load_pretrained",
     "nvfp4_dequantize",
     "nvfp4_linear",
     "nvfp4_moe",

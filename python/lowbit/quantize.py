@@ -4,19 +4,11 @@ quantized from its own weights with the reference rule
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 from torch import nn
 
-
-def _progress(done: int, total: int, name: str) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\rlowbit.quantize_ [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+from ._progress import progress_bar
 
 
 def _swappable_linear(mod: nn.Module) -> bool:
@@ -92,5 +84,5 @@ def quantize_(
         del mod  # the parent's was the last reference
         setattr(parent, child, layer)
         if progress:
-            _progress(i + 1, len(targets), name)
+            progress_bar("lowbit.quantize_", i + 1, len(targets), name)
     return model

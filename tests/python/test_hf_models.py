@@ -20,65 +20,17 @@ from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512
+from hf_tiny_models import VOCAB, build, devices, rel  # noqa: E402
 
-
-# Routing: (routed experts, experts per token, groups, groups kept). The
-# whole-model test routes every token to every expert: a choice between
-# near-tied experts flips with BF16 noise (the models' own as well as
-# ours), and one flipped token moves the logits more than the rounding
-# does. The MoE block tests route sparsely, from identical inputs.
-ROUTE_ALL = {"v3": (8, 8, 1, 1), "v4": (8, 8, 1, 1)}
-ROUTE_SPARSE = {"v3": (16, 4, 4, 2), "v4": (8, 2, 1, 1)}
-
-
-def tiny_v3(route) -> torch.nn.Module:
-    n_experts, k, n_group, topk_group = route
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=128,
-        qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=32, n_routed_experts=n_experts, n_group=n_group,
-        topk_group=topk_group, num_experts_per_tok=k, n_shared_experts=1, max_position_embeddings=256,
-    )
-    return transformers.DeepseekV3ForCausalLM(cfg)
-
-
-def tiny_v4(route) -> torch.nn.Module:
-    n_experts, k, _, _ = route
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, q_lora_rank=128, num_experts_per_tok=k, n_routed_experts=n_experts,
-        hc_mult=2, hc_sinkhorn_iters=3, o_groups=2, o_lora_rank=128, index_n_heads=2, index_head_dim=32,
-        index_topk=8, sliding_window=16, num_nextn_predict_layers=0, max_position_embeddings=256,
-        mlp_layer_types=["hash_moe", "moe", "moe"],
-        swiglu_limit=0.5,  # V4's 10 never binds on these random weights; 0.5 clamps a good share
-    )
-    return transformers.DeepseekV4ForCausalLM(cfg)
-
-
-# family -> (builder, Nvfp4Linear layers, Nvfp4MoE blocks, Nvfp4GroupedLinear layers)
-MODELS = {
+# family -> (Nvfp4Linear layers, Nvfp4MoE blocks, Nvfp4GroupedLinear layers) after quantize_
+COUNTS = {
     # 3 x 5 attention projections, the dense first layer's MLP, lm_head.
-    "v3": (tiny_v3, 19, 2, 0),
+    "v3": (19, 2, 0),
     # 3 x (q_a, q_b, kv, o_b, compressor kv and gate), lm_head, and the 3
     # o_a_proj (DeepseekV4GroupedLinear, block-diagonal), whose
     # Nvfp4GroupedLinear holds its weight in an Nvfp4Linear.
-    "v4": (tiny_v4, 19 + 3, 3, 3),
+    "v4": (19 + 3, 3, 3),
 }
-
-
-def build(family: str, device: str, route_all: bool = True) -> torch.nn.Module:
-    torch.manual_seed(0)
-    route = (ROUTE_ALL if route_all else ROUTE_SPARSE)[family]
-    model = MODELS[family][0](route).to(device=device, dtype=torch.bfloat16).eval()
-    with torch.no_grad():  # the checkpoint-only state: nonzero biases, a hash table of distinct experts
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn_like(buf) * 0.05)
-            if name.endswith("tid2eid"):
-                n_experts = model.config.n_routed_experts
-                buf.copy_(torch.rand(buf.shape[0], n_experts, device=device).argsort(dim=1)[:, : buf.shape[1]])
-    return model
 
 
 def fake_quantized(w: torch.Tensor) -> torch.Tensor:
@@ -118,18 +70,10 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def devices() -> list:
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("family", sorted(COUNTS))
 def test_quantized_model_computes_its_dequantized_weights(family, device):
-    _, n_linear, n_moe, n_grouped = MODELS[family]
+    n_linear, n_moe, n_grouped = COUNTS[family]
     model = build(family, device)
     ids = torch.randint(0, VOCAB, (2, 24), device=device)
     ref = dequantized_copy(model)
@@ -161,7 +105,7 @@ def test_quantized_model_computes_its_dequantized_weights(family, device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("family", sorted(COUNTS))
 def test_quantized_model_compiles_in_one_graph(family, device):
     model = lowbit.quantize_(build(family, device), progress=False)
     ids = torch.randint(0, VOCAB, (2, 24), device=device)
@@ -195,7 +139,7 @@ def test_cuda_compiled_static_cache_generation():
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("family", sorted(COUNTS))
 def test_moe_block_computes_its_dequantized_block(family, device):
     """Sparse routing (groups, correction bias, V4's hash layer) from the
     same input: the same experts, so only the rounding differs."""
@@ -204,7 +148,7 @@ def test_moe_block_computes_its_dequantized_block(family, device):
     x = torch.randn(2, 40, 256, device=device).to(torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 40), device=device)
     blocks = [layer.mlp for layer in model.model.layers if Nvfp4MoE.is_hf_block(layer.mlp)]
-    assert len(blocks) == MODELS[family][2]
+    assert len(blocks) == COUNTS[family][1]
     for block in blocks:
         moe = Nvfp4MoE.from_hf(block)
         ref = copy.deepcopy(block).float()
@@ -227,8 +171,9 @@ def test_grouped_linear_computes_its_dequantized_blocks():
     with torch.no_grad():
         ref.weight.copy_(fake_quantized(ref.weight))
     # 30 rows: one nvfp4_linear over all groups, diagonal blocks kept;
-    # 80 rows: the weight unpacked to BF16 (rounded once more), a bmm.
-    for shape in ((3, 5), (40,)):
+    # 600 rows: the weight unpacked to BF16 (rounded once more), a bmm.
+    assert mod.max_fused_rows < 600
+    for shape in ((3, 5), (300,)):
         x = torch.randn(*shape, 2, hf.in_features).to(torch.bfloat16)
         with torch.no_grad():
             got, want = mod(x), ref(x.float())

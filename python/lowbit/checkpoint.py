@@ -1,0 +1,520 @@
+"""NVFP4 checkpoints (NVIDIA ModelOpt, compressed-tensors) loaded into Hugging
+Face transformers models, with lowbit's layers in place of the quantized ones.
+
+:func:`load_pretrained` builds a transformers model from a checkpoint
+directory and loads it; :func:`load_checkpoint_` loads a directory into a
+model you built (its parameters may be on the meta device). Each module of
+the checkpoint becomes, by what its tensors are:
+
+- an NVFP4 Linear (``weight`` uint8 [N, K/2], ``weight_scale`` E4M3
+  [N, K/16] and ModelOpt's ``weight_scale_2`` = amax / 2688, or
+  compressed-tensors' ``weight_packed``, ``weight_scale`` and
+  ``weight_global_scale`` = 2688 / amax): an :class:`~lowbit.nn.Nvfp4Linear`,
+  or for transformers' ``DeepseekV4GroupedLinear`` an
+  :class:`~lowbit.nn.Nvfp4GroupedLinear`;
+- a transformers DeepSeek MoE block (``DeepseekV3MoE``,
+  ``DeepseekV4SparseMoeBlock``) whose experts are NVFP4, stored one expert
+  per module as ModelOpt exports them (``<block>.experts.<e>.gate_proj``,
+  ``up_proj``, ``down_proj``; DeepSeek's ``w1``, ``w3``, ``w2`` too) with an
+  NVFP4 shared expert: an :class:`~lowbit.nn.Nvfp4MoE` (routing from the
+  block, experts as stored: no requantization);
+- anything else (embeddings, norms, routers, BF16 layers): the model's own
+  parameter or buffer, cast to its dtype.
+
+Activation and KV-cache scales (``input_scale``, ``input_global_scale``,
+``k_scale``, ``v_scale``) are not used: the layers run W4A16. Checkpoints in
+other quantized formats (FP8, MXFP4, INT4) are refused by name.
+
+Tensors go to one device; a checkpoint is read one tensor at a time, so the
+peak memory is the loaded model plus one MoE layer's conversion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ._progress import progress_bar
+
+# Leaf names of the NVFP4 tensors, by format; the first names the format.
+_MODELOPT = ("weight_scale_2", "weight", "weight_scale")
+_COMPRESSED = ("weight_global_scale", "weight_packed", "weight_scale")
+# Activation and KV-cache scales: W4A16 uses none of them.
+_UNUSED_SCALES = frozenset({"input_scale", "input_global_scale", "k_scale", "v_scale"})
+# Leaves that mark a quantized format lowbit does not load (DeepSeek's FP8
+# blocks, compressed-tensors' INT formats, ModelOpt's AWQ).
+_OTHER_FORMATS = frozenset({"weight_scale_inv", "weight_zero_point", "weight_shape", "pre_quant_scale"})
+_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _err(arg: str, message: str) -> str:
+    return f"lowbit.load_checkpoint_: {arg} {message}"
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint_` did. ``linear``, ``grouped`` and
+    ``moe``: the module names replaced by Nvfp4Linear, Nvfp4GroupedLinear
+    and Nvfp4MoE; ``unused``: checkpoint keys with no place in the model
+    (a warning names them); ``ignored``: keys skipped on purpose (activation
+    and KV-cache scales, the model's ``_keys_to_ignore_on_load_unexpected``,
+    keys ``key_map`` dropped); ``not_in_checkpoint``: persistent buffers the
+    checkpoint does not hold, which keep the model's own values."""
+
+    linear: list[str] = field(default_factory=list)
+    grouped: list[str] = field(default_factory=list)
+    moe: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    not_in_checkpoint: list[str] = field(default_factory=list)
+
+
+def checkpoint_format(path: str | Path) -> str | None:
+    """The quantization a checkpoint directory declares: ``"modelopt"``
+    (``hf_quant_config.json``, or config.json's ``quantization_config``
+    with ``quant_method`` modelopt), ``"compressed-tensors"``, or None when
+    it declares none. Raises ValueError for any quantization other than
+    NVFP4 with 16-element groups."""
+    path = Path(path)
+    hf_quant = path / "hf_quant_config.json"
+    if hf_quant.is_file():
+        _check_modelopt(json.loads(hf_quant.read_text()).get("quantization", {}), str(hf_quant))
+        return "modelopt"
+    config = path / "config.json"
+    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "modelopt":
+        _check_modelopt(qc, f"{config} quantization_config")
+        return "modelopt"
+    if method == "compressed-tensors":
+        _check_compressed(qc, f"{config} quantization_config")
+        return "compressed-tensors"
+    raise ValueError(_err("path", f"holds a checkpoint quantized with quant_method {method!r} ({config}); lowbit "
+                                  "loads NVFP4 checkpoints (ModelOpt, compressed-tensors) only"))
+
+
+def _check_modelopt(q: dict, where: str) -> None:
+    algo = q.get("quant_algo")
+    algos = {algo} if algo != "MIXED_PRECISION" else {
+        layer.get("quant_algo") for layer in q.get("quantized_layers", {}).values()}
+    if algos != {"NVFP4"}:
+        raise ValueError(_err("path", f"holds a ModelOpt checkpoint with quant_algo {sorted(map(str, algos))} "
+                                      f"({where}); lowbit loads NVFP4 only"))
+    if q.get("group_size", 16) != 16:
+        raise ValueError(_err("path", f"holds NVFP4 with group_size {q['group_size']} ({where}); NVFP4 is 16"))
+
+
+def _check_compressed(qc: dict, where: str) -> None:
+    groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        fmt = group.get("format", qc.get("format"))
+        weights = group.get("weights") or {}
+        if fmt != "nvfp4-pack-quantized" or weights.get("num_bits") != 4 or weights.get("group_size") != 16:
+            raise ValueError(_err(
+                "path", f"holds a compressed-tensors checkpoint whose group {name!r} is {fmt!r} with "
+                        f"{weights.get('num_bits')}-bit weights in groups of {weights.get('group_size')} ({where}); "
+                        "lowbit loads nvfp4-pack-quantized (4 bits, groups of 16) only"))
+
+
+class _Shards:
+    """A checkpoint directory's safetensors files: which file holds each
+    key, opened lazily, read one tensor at a time onto ``device``."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError as e:  # pragma: no cover - safetensors comes with transformers
+            raise ImportError("lowbit.load_checkpoint_ needs the safetensors package (pip install safetensors)") from e
+        self._open = safe_open
+        self._device = "cpu" if device.type == "cpu" else str(device)
+        self._handles: dict[Path, object] = {}
+        self.key_of: dict[str, str] = {}  # the model's name -> the checkpoint's key, when they differ
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {key: path / file for key, file in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(_err("path", f"holds no .safetensors files: {path}"))
+            self.file_of = {key: file for file in files for key in self._handle(file).keys()}
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = self._open(str(file), framework="pt", device=self._device)
+        return self._handles[file]
+
+    def get(self, name: str) -> Tensor:
+        key = self.key_of.get(name, name)
+        return self._handle(self.file_of[key]).get_tensor(key)
+
+
+def _device_of(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    for t in model.parameters():
+        if t.device.type != "meta":
+            return t.device
+    raise ValueError(_err("device", "is required: the model's parameters are on the meta device"))
+
+
+def _module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+_QUANTIZED_DTYPES = (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def _load_tensor(model: nn.Module, name: str, shards: _Shards, keep_dtype: bool = False) -> bool:
+    """Loads checkpoint tensor ``name`` into the model's parameter or
+    persistent buffer of that name, in the model's dtype for it (with
+    ``keep_dtype``, in the checkpoint's); False when the model has none."""
+    prefix, _, leaf = name.rpartition(".")
+    owner = _module(model, prefix)
+    if owner is None:
+        return False
+    old = owner._parameters.get(leaf)
+    is_buffer = old is None and leaf in owner._buffers and leaf not in owner._non_persistent_buffers_set
+    if is_buffer:
+        old = owner._buffers[leaf]
+    if old is None:
+        return False
+    tensor = shards.get(name)
+    if tensor.shape != old.shape:
+        raise ValueError(_err("path", f"holds {name} with shape {list(tensor.shape)}; the model's is {list(old.shape)}"))
+    if tensor.dtype in _QUANTIZED_DTYPES and old.is_floating_point():
+        # Codes without the scales lowbit would need to read them.
+        raise ValueError(_err("path", f"holds {name} as {tensor.dtype} without NVFP4 scales; lowbit loads NVFP4 "
+                                      "checkpoints (ModelOpt, compressed-tensors) only"))
+    if not keep_dtype:
+        tensor = tensor.to(old.dtype)
+    if is_buffer:
+        owner._buffers[leaf] = tensor
+    else:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad and tensor.is_floating_point())
+    return True
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+class _Nvfp4Tensors:
+    """One NVFP4 module's checkpoint tensors, read as ModelOpt's (weight,
+    block scale codes, global = amax / 2688) triple."""
+
+    def __init__(self, prefix: str, leaves: dict[str, str], fmt: str) -> None:
+        self.prefix, self.leaves, self.fmt = prefix, leaves, fmt
+
+    def load(self, shards: _Shards, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Checked against the model's layer, ``in_features`` -> ``out_features``."""
+        names = _MODELOPT if self.fmt == "modelopt" else _COMPRESSED
+        missing = [n for n in names if n not in self.leaves]
+        if missing:
+            raise ValueError(_err("path", f"holds an NVFP4 {self.prefix} without {self.prefix}.{missing[0]}"))
+        weight = shards.get(self.leaves[names[1]])
+        if weight.dtype != torch.uint8 or tuple(weight.shape) != (out_features, in_features // 2):
+            raise ValueError(_err("path", f"holds {self.leaves[names[1]]} as {weight.dtype} {list(weight.shape)}; the "
+                                          f"model's layer is {in_features} -> {out_features}, NVFP4 weight uint8 "
+                                          f"[{out_features}, {in_features // 2}]"))
+        scale = shards.get(self.leaves[names[2]])
+        if scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or tuple(scale.shape) != (
+                out_features, in_features // 16):
+            raise ValueError(_err("path", f"holds {self.leaves[names[2]]} as {scale.dtype} {list(scale.shape)}; NVFP4 "
+                                          f"block scales of this layer are float8_e4m3fn [{out_features}, "
+                                          f"{in_features // 16}]"))
+        global_ = shards.get(self.leaves[names[0]])
+        if global_.numel() != 1:
+            raise ValueError(_err("path", f"holds {self.leaves[names[0]]} of shape {list(global_.shape)}; one global "
+                                          "scale per tensor was expected"))
+        global_ = global_.float().reshape(())
+        if self.fmt == "compressed-tensors":
+            global_ = 1.0 / global_  # compressed-tensors stores 2688 / amax
+        return weight, scale.view(torch.uint8), global_
+
+
+def _group(names: list[str]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Checkpoint keys of NVFP4 modules by module name ({leaf: key}), and
+    the other keys."""
+    by_module: dict[str, dict[str, str]] = {}
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        by_module.setdefault(prefix, {})[leaf] = name
+    nvfp4, plain = {}, []
+    for prefix, leaves in by_module.items():
+        if _MODELOPT[0] in leaves or _COMPRESSED[0] in leaves or _COMPRESSED[1] in leaves:
+            nvfp4[prefix] = leaves
+        else:
+            plain.extend(leaves.values())
+    return nvfp4, plain
+
+
+def load_checkpoint_(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    device: torch.device | str | None = None,
+    key_map: Callable[[str], str | None] | None = None,
+    fp8_min_rows: int = 0,
+    progress: bool = True,
+) -> LoadReport:
+    """Loads the NVFP4 checkpoint directory ``path`` (safetensors files,
+    sharded or not) into ``model`` in place, replacing its quantized layers
+    with lowbit's (see the module docstring). Returns a :class:`LoadReport`.
+
+    ``model``'s parameters may be on the meta device (built without
+    memory); every one must then be in the checkpoint. ``device``: where the
+    tensors go (default: where the model's parameters are). ``key_map``
+    renames a checkpoint key to the model's name for it (None drops it),
+    for checkpoints named otherwise than the model. ``fp8_min_rows``: as
+    :func:`lowbit.quantize_`, for the Linear layers.
+
+    Raises ValueError, naming the key, for a tensor whose shape or format
+    does not fit the model, a quantized format other than NVFP4, and model
+    parameters the checkpoint does not hold."""
+    from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
+    from .nn.moe import Nvfp4MoE
+
+    if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
+        raise ValueError(_err("fp8_min_rows", f"must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}"))
+    path = Path(path)
+    declared = checkpoint_format(path)
+    device = _device_of(model, device)
+    shards = _Shards(path, device)
+    report = LoadReport()
+
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    names: list[str] = []
+    renamed: dict[str, str] = {}
+    for key in shards.file_of:
+        name = key_map(key) if key_map is not None else key
+        if name is None or name.rpartition(".")[2] in _UNUSED_SCALES or any(p.search(name) for p in ignore):
+            report.ignored.append(key)
+            continue
+        if name in renamed:
+            raise ValueError(_err("key_map", f"maps both {renamed[name]!r} and {key!r} to {name!r}"))
+        renamed[name] = key
+        names.append(name)
+    shards.key_of = {name: key for name, key in renamed.items() if name != key}
+
+    nvfp4, plain = _group(names)
+    for name in plain:
+        leaf = name.rpartition(".")[2]
+        if leaf in _OTHER_FORMATS or leaf == "weight_scale":  # NVFP4's weight_scale comes with its global
+            raise ValueError(_err("path", f"holds {name} without an NVFP4 global scale beside it (weight_scale_2 or "
+                                          "weight_global_scale): a quantized format other than NVFP4, which lowbit "
+                                          "does not load, or an incomplete NVFP4 layer"))
+    formats = {}
+    for prefix, leaves in nvfp4.items():
+        formats[prefix] = "modelopt" if _MODELOPT[0] in leaves else "compressed-tensors"
+        if declared is not None and formats[prefix] != declared:
+            raise ValueError(_err("path", f"declares a {declared} checkpoint but holds {prefix} in the "
+                                          f"{formats[prefix]} format"))
+
+    # MoE blocks with NVFP4 experts, and which NVFP4 modules are theirs.
+    blocks: dict[str, dict] = {}
+    for prefix in nvfp4:
+        m = _EXPERT.match(prefix)
+        if m is None:
+            continue
+        block = _module(model, m["block"])
+        if block is not None and Nvfp4MoE.is_hf_block(block):
+            experts = blocks.setdefault(m["block"], {})
+            experts[(int(m["e"]), _EXPERT_ROLE[m["proj"]])] = prefix
+    in_blocks = {prefix for experts in blocks.values() for prefix in experts.values()}
+    in_blocks |= {f"{b}.shared_experts.{p}" for b in blocks for p in _SHARED}
+    linears = [p for p in nvfp4 if p not in in_blocks]
+    total = 1 + len(linears) + len(blocks)
+    done = 0
+
+    def step(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress_bar("lowbit.load_checkpoint_", done, total, label)
+
+    state = model.state_dict(keep_vars=True)
+    buffers_before = {n: id(b) for n, b in model.named_buffers() if n in state}
+    with torch.no_grad():
+        # Plain tensors first: the MoE blocks' routers are read from the model.
+        # Those keep the checkpoint's dtype (a float32 correction bias rounded
+        # to BF16 would move the expert choices); their blocks are replaced.
+        routers = tuple(f"{b}.gate." for b in blocks)
+        for name in plain:
+            if not _load_tensor(model, name, shards, keep_dtype=name.startswith(routers)):
+                report.unused.append(renamed[name])
+        step("unquantized tensors")
+
+        for prefix in linears:
+            mod = _module(model, prefix)
+            tensors = _Nvfp4Tensors(prefix, nvfp4[prefix], formats[prefix])
+            if Nvfp4GroupedLinear.is_hf_grouped(mod):
+                layer = Nvfp4GroupedLinear.from_checkpoint(
+                    mod.n_groups, *tensors.load(shards, mod.out_features, mod.in_features))
+                report.grouped.append(prefix)
+            elif isinstance(mod, nn.Linear) and Nvfp4Linear.computes_like(mod):
+                bias = shards.get(nvfp4[prefix]["bias"]) if "bias" in nvfp4[prefix] else None
+                if (bias is None) != (mod.bias is None):
+                    raise ValueError(_err("path", f"holds {prefix} {'with' if bias is not None else 'without'} a "
+                                                  f"bias; the model's layer has {'none' if mod.bias is None else 'one'}"))
+                if bias is not None:
+                    bias = bias.to(mod.bias.dtype if mod.bias.dtype != torch.float32 else torch.bfloat16)
+                layer = Nvfp4Linear.from_checkpoint(*tensors.load(shards, mod.out_features, mod.in_features), bias)
+                layer.fp8_min_rows = fp8_min_rows
+                report.linear.append(prefix)
+            elif mod is None:
+                report.unused.extend(renamed[k] for k in nvfp4[prefix].values())
+                continue
+            else:
+                raise ValueError(_err("path", f"holds {prefix} in NVFP4, but the model's {prefix} is a "
+                                              f"{type(mod).__name__}, which lowbit has no NVFP4 layer for"))
+            _replace(model, prefix, layer)
+            step(prefix)
+
+        for name, experts in blocks.items():
+            _replace(model, name, _load_moe(model.get_submodule(name), name, experts, nvfp4, formats, shards))
+            report.moe.append(name)
+            step(name)
+
+    after = dict(model.named_buffers())
+    report.not_in_checkpoint = [n for n, i in buffers_before.items() if n in after and id(after[n]) == i]
+    _finish(model, device, report)
+    return report
+
+
+def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: dict, shards: _Shards) -> nn.Module:
+    """An HF MoE block with its NVFP4 experts -> Nvfp4MoE, read from the
+    checkpoint one expert at a time."""
+    from .nn.moe import Nvfp4MoE
+
+    n_experts, two_i, h = block.experts.gate_up_proj.shape
+    i = two_i // 2
+    for e in range(n_experts):
+        for role in ("gate", "up", "down"):
+            if (e, role) not in experts:
+                raise ValueError(_err("path", f"holds NVFP4 experts for {name} but not expert {e}'s {role} "
+                                              f"projection ({n_experts} experts expected)"))
+    extra = sorted(e for e, _ in experts if e >= n_experts)
+    if extra:
+        raise ValueError(_err("path", f"holds expert {extra[0]} of {name}, which has {n_experts} experts"))
+    for p in _SHARED:
+        if f"{name}.shared_experts.{p}" not in nvfp4:
+            raise ValueError(_err("path", f"holds {name}'s routed experts in NVFP4 but not its shared expert's "
+                                          f"{p}; Nvfp4MoE holds the shared expert in NVFP4 too"))
+    if block.gate.weight.device.type == "meta":
+        raise ValueError(_err("path", f"does not hold {name}.gate.weight, the router of an NVFP4 MoE block"))
+
+    def load(prefix: str, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
+        return _Nvfp4Tensors(prefix, nvfp4[prefix], formats[prefix]).load(shards, out_features, in_features)
+
+    def expert(e: int) -> tuple[Tensor, ...]:
+        (gw, gs, gg), (uw, us, ug) = (load(experts[(e, role)], i, h) for role in ("gate", "up"))
+        return (torch.cat([gw, uw]), torch.cat([gs, us]), torch.stack([gg, ug]), *load(experts[(e, "down")], h, i))
+
+    shared_i = block.shared_experts.gate_proj.out_features
+    shared = {p: load(f"{name}.shared_experts.{p}", *((h, shared_i) if p == "down_proj" else (shared_i, h)))
+              for p in _SHARED}
+    try:
+        return Nvfp4MoE.from_hf_modelopt(block, expert, shared_gate_proj=shared["gate_proj"],
+                                         shared_up_proj=shared["up_proj"], shared_down_proj=shared["down_proj"])
+    except ValueError as e:  # e.g. an expert's gate and up with different global scales
+        raise ValueError(_err("path", f"holds MoE block {name} that Nvfp4MoE cannot hold: {e}")) from e
+
+
+def _finish(model: nn.Module, device: torch.device, report: LoadReport) -> None:
+    """Ties the output embedding if the model asks for it, checks that no
+    parameter was left unloaded, moves the rest (buffers the checkpoint
+    does not hold) to ``device`` and warns about unused keys and buffers
+    left as the model made them."""
+    import warnings
+
+    config = getattr(model, "config", None)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(config, "tie_word_embeddings", False) and isinstance(output, nn.Linear) \
+            and output.weight.device.type == "meta":
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        hint = f"; {len(report.unused)} checkpoint keys had no place in the model, first {report.unused[0]}" \
+            if report.unused else ""
+        raise ValueError(_err("path", f"does not hold the model's {', '.join(missing[:5])}{more}{hint}"))
+    model.to(device)
+    if report.not_in_checkpoint:
+        warnings.warn(f"lowbit.load_checkpoint_: the checkpoint does not hold {len(report.not_in_checkpoint)} of the "
+                      f"model's buffers, which keep their values, first: {report.not_in_checkpoint[:3]}",
+                      stacklevel=3)
+    if report.unused:
+        warnings.warn(f"lowbit.load_checkpoint_: {len(report.unused)} checkpoint keys have no place in the model and "
+                      f"were not loaded, first: {report.unused[:3]}", stacklevel=3)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside have their parameters on the meta device (no
+    memory, no initialization) and their buffers where they were created:
+    the non-persistent ones (rotary frequencies) are computed from the
+    config, not read from checkpoints."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    key_map: Callable[[str], str | None] | None = None,
+    fp8_min_rows: int = 0,
+    progress: bool = True,
+) -> nn.Module:
+    """A transformers causal LM built from the NVFP4 checkpoint directory
+    ``path`` (its config.json; the model class must be in transformers),
+    with lowbit's layers for the quantized ones (:func:`load_checkpoint_`),
+    on ``device`` (default: the current CUDA device if there is one, else
+    the CPU), unquantized tensors in ``dtype``, in eval mode."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("lowbit.load_pretrained needs transformers (pip install transformers)") from e
+    path = Path(path)
+    checkpoint_format(path)  # refuses other formats before anything is built
+    config = transformers.AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # lowbit's layers hold it; transformers would look for its own
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    load_checkpoint_(model, path, device=device, key_map=key_map, fp8_min_rows=fp8_min_rows, progress=progress)
+    return model.eval()

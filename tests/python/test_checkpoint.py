@@ -1,0 +1,305 @@
+"""Whole NVFP4 checkpoints (ModelOpt, compressed-tensors) loaded into
+transformers DeepSeek-V3 and V4 models: ``lowbit.load_pretrained`` and
+``lowbit.load_checkpoint_``.
+
+The checkpoints are written here from tiny random models, the way ModelOpt
+and llm-compressor export a transformers DeepSeek model: one tensor set per
+Linear, the routed experts one module per expert, gate and up of an expert
+(and of the shared expert) with one global scale, lm_head left in BF16.
+Quantized with the reference rule, they hold the very codes that
+``lowbit.quantize_`` computes from the same model, so the loaded model must
+compute ``quantize_``'s logits bit for bit; test_hf_models checks those
+against the dequantized model. A layout error (gate and up swapped, experts
+out of order) changes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from hf_tiny_models import VOCAB, build, devices, rel  # noqa: E402
+
+
+
+def not_lm_head(mod: torch.nn.Module, name: str) -> bool:
+    return name != "lm_head"
+
+
+def _nvfp4(w: torch.Tensor, prefix: str, fmt: str, global_scale: torch.Tensor | None = None) -> dict:
+    q = lowbit.nvfp4_quantize(w.detach().cpu(), global_scale)
+    scale = q.block_scale.view(torch.float8_e4m3fn)
+    if fmt == "modelopt":
+        return {f"{prefix}.weight": q.packed, f"{prefix}.weight_scale": scale,
+                f"{prefix}.weight_scale_2": q.global_scale.reshape(()),
+                f"{prefix}.input_scale": torch.tensor(0.01)}  # an activation scale, unused by W4A16
+    return {f"{prefix}.weight_packed": q.packed, f"{prefix}.weight_scale": scale,
+            f"{prefix}.weight_global_scale": q.global_scale.reciprocal().reshape(1),  # 2688 / amax
+            f"{prefix}.input_global_scale": torch.tensor([100.0])}
+
+
+def _pair(gate: torch.Tensor, up: torch.Tensor, gate_name: str, up_name: str, fmt: str) -> dict:
+    """Gate and up quantized with one global scale, as exporters do for a
+    fused pair: that of the two together."""
+    shared_global = lowbit.nvfp4_quantize(torch.cat([gate, up]).detach().cpu()).global_scale
+    return {**_nvfp4(gate, gate_name, fmt, shared_global), **_nvfp4(up, up_name, fmt, shared_global)}
+
+
+def nvfp4_state(model: torch.nn.Module, fmt: str = "modelopt", expert_names=("gate_proj", "up_proj", "down_proj"),
+                skip=("lm_head",)) -> dict:
+    """The checkpoint tensors of ``model`` with its Linear layers, grouped
+    Linear layers and MoE experts in NVFP4 (those ``quantize_`` converts,
+    less ``skip``) and the rest as they are."""
+    out, covered = {}, set()
+    for name, mod in model.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in covered) or name in skip:
+            continue
+        if Nvfp4MoE.is_hf_block(mod):
+            ex, sh = mod.experts, mod.shared_experts
+            i = ex.gate_up_proj.shape[1] // 2
+            g, u, d = expert_names
+            for e in range(ex.gate_up_proj.shape[0]):
+                base = f"{name}.experts.{e}"
+                out.update(_pair(ex.gate_up_proj[e, :i], ex.gate_up_proj[e, i:], f"{base}.{g}", f"{base}.{u}", fmt))
+                out.update(_nvfp4(ex.down_proj[e], f"{base}.{d}", fmt))
+            out.update(_pair(sh.gate_proj.weight, sh.up_proj.weight, f"{name}.shared_experts.gate_proj",
+                             f"{name}.shared_experts.up_proj", fmt))
+            out.update(_nvfp4(sh.down_proj.weight, f"{name}.shared_experts.down_proj", fmt))
+            covered.update({f"{name}.experts", f"{name}.shared_experts"})
+        elif (Nvfp4Linear.computes_like(mod) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0) \
+                or Nvfp4GroupedLinear.is_hf_grouped(mod):
+            out.update(_nvfp4(mod.weight, name, fmt))
+            if mod.bias is not None:
+                out[f"{name}.bias"] = mod.bias.detach().cpu()
+            covered.add(name)
+    for key, t in model.state_dict().items():
+        if not any(key.startswith(c + ".") for c in covered):
+            out[key] = t.detach().cpu()
+    return out
+
+
+def write_checkpoint(path: Path, model: torch.nn.Module, tensors: dict, fmt: str = "modelopt",
+                     n_shards: int = 2) -> Path:
+    """config.json, the format's quantization config and ``tensors`` in
+    ``n_shards`` safetensors files with an index."""
+    model.config.save_pretrained(path)
+    if fmt == "modelopt":
+        (path / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}))
+    else:
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                          "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+        (path / "config.json").write_text(json.dumps(config))
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(n_shards):
+        file = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {k: tensors[k].contiguous() for k in keys[s::n_shards]}
+        safetensors_torch.save_file(part, str(path / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def quantized_reference(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The reference: ``model`` built by transformers from its config in
+    BF16 (which keeps the rotary frequencies in float32, where ``build``'s
+    ``.to(bfloat16)`` rounds them), given ``model``'s weights, and
+    quantized by quantize_ (lm_head kept)."""
+    ref = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    return lowbit.quantize_(ref.to(device).eval(), not_lm_head, progress=False)
+
+
+def logits(model: torch.nn.Module, device: str) -> torch.Tensor:
+    torch.manual_seed(7)
+    ids = torch.randint(0, VOCAB, (2, 24)).to(device)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_modelopt_checkpoint_loads_to_quantize_s_model(family, device, tmp_path):
+    model = build(family, "cpu")
+    write_checkpoint(tmp_path, model, nvfp4_state(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unused, nothing left unloaded
+        loaded = lowbit.load_pretrained(tmp_path, device=device, progress=False)
+    want = quantized_reference(model, device)
+
+    assert type(loaded) is type(model) and not loaded.training
+    kinds = [Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE]
+    assert [sum(isinstance(m, k) for m in loaded.modules()) for k in kinds] == \
+        [sum(isinstance(m, k) for m in want.modules()) for k in kinds]
+    assert isinstance(loaded.lm_head, torch.nn.Linear) and loaded.lm_head.weight.dtype == torch.bfloat16
+    assert all(t.device.type == device for t in [*loaded.parameters(), *loaded.buffers()])
+    torch.testing.assert_close(logits(loaded, device), logits(want, device), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_compressed_tensors_checkpoint(family, tmp_path):
+    """The same codes with compressed-tensors' names and reciprocal global
+    scales: the loaded globals are the reciprocals' reciprocals (within an
+    ulp of ModelOpt's), so the logits agree to BF16 rounding."""
+    model = build(family, "cpu")
+    write_checkpoint(tmp_path, model, nvfp4_state(model, fmt="compressed-tensors"), fmt="compressed-tensors")
+    loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+    want = quantized_reference(model, "cpu")
+    globals_got = torch.cat([b.flatten() for n, b in loaded.named_buffers() if n.endswith("global")])
+    globals_want = torch.cat([b.flatten() for n, b in want.named_buffers() if n.endswith("global")])
+    torch.testing.assert_close(globals_got, globals_want, rtol=2 ** -23, atol=0)
+    # A global an ulp off moves a BF16 rounding here and there, and the
+    # models carry it on. Measured: V3 0, V4 2.7e-3; the models' own BF16
+    # error is 7.5e-3 and 8.9e-3 (test_hf_models).
+    got = rel(logits(loaded, "cpu"), logits(want, "cpu"))
+    assert got <= 5e-3, got
+
+
+def test_key_map_and_deepseek_expert_names(tmp_path):
+    """A checkpoint named otherwise than the model (no "model." prefix,
+    DeepSeek's w1 / w3 / w2 for the experts' gate / up / down) loads
+    through key_map, into a model built on the meta device."""
+    model = build("v3", "cpu")
+    state = nvfp4_state(model, expert_names=("w1", "w3", "w2"))
+    write_checkpoint(tmp_path, model, {k.removeprefix("model."): v for k, v in state.items()})
+    with lowbit.checkpoint.parameters_on_meta():
+        target = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    assert all(p.device.type == "meta" for p in target.parameters())
+    report = lowbit.load_checkpoint_(
+        target, tmp_path, device="cpu", progress=False,
+        key_map=lambda key: key if key.startswith("lm_head.") else "model." + key)
+    want = quantized_reference(model, "cpu")
+    torch.testing.assert_close(logits(target.eval(), "cpu"), logits(want, "cpu"), rtol=0, atol=0)
+    assert len(report.linear) == 3 * 5 + 3 and report.moe == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    assert report.grouped == [] and report.unused == [] and report.not_in_checkpoint == []
+    # Every quantized module's activation scale, skipped on purpose.
+    assert len(report.ignored) == len(report.linear) + 2 * (3 * 8 + 3)
+    assert all(k.endswith(".input_scale") for k in report.ignored)
+
+
+def test_fp8_min_rows_reaches_the_linear_layers(tmp_path):
+    model = build("v3", "cpu")
+    write_checkpoint(tmp_path, model, nvfp4_state(model))
+    loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, fp8_min_rows=512)
+    assert {m.fp8_min_rows for m in loaded.modules() if isinstance(m, Nvfp4Linear)} == {512}
+
+
+def _write_and_load(tmp_path, state, model, **kwargs):
+    write_checkpoint(tmp_path, model, state, **kwargs)
+    return lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+
+
+def test_bad_checkpoints_raise_clear_errors(tmp_path):
+    model = build("v3", "cpu")
+    good = nvfp4_state(model)
+    block = "model.layers.1.mlp"
+    cases = [
+        ("expert", {k: v for k, v in good.items() if f"{block}.experts.3.up_proj." not in k},
+         f"holds NVFP4 experts for {block} but not expert 3's up projection"),
+        ("norm", {k: v for k, v in good.items() if k != "model.norm.weight"},
+         "does not hold the model's model.norm.weight"),
+        ("global", {k: v for k, v in good.items() if k != "model.layers.0.mlp.up_proj.weight_scale_2"},
+         r"holds model.layers.0.mlp.up_proj.weight_scale without an NVFP4 global scale"),
+        ("shape", {**good, "model.layers.0.mlp.up_proj.weight": good["model.layers.0.mlp.up_proj.weight"][:, :64],
+                   "model.layers.0.mlp.up_proj.weight_scale": good["model.layers.0.mlp.up_proj.weight_scale"][:, :8]},
+         r"holds model.layers.0.mlp.up_proj.weight as torch.uint8 \[512, 64\]; the model's layer is 256 -> 512"),
+        ("pair", {**good, f"{block}.experts.2.up_proj.weight_scale_2": torch.tensor(1e-3)},
+         rf"holds MoE block {block} that .*'expert\(2\) w13_weight_scale_2' holds different gate and up global"),
+        ("shared", {k: v for k, v in good.items() if not k.startswith(f"{block}.shared_experts.down_proj.")}
+         | {f"{block}.shared_experts.down_proj.weight": model.get_submodule(block).shared_experts.down_proj.weight},
+         f"holds {block}'s routed experts in NVFP4 but not its shared expert's down_proj"),
+    ]
+    for name, state, message in cases:
+        path = tmp_path / name
+        path.mkdir()
+        with pytest.raises(ValueError, match=message):
+            _write_and_load(path, state, model)
+
+
+def test_other_formats_are_refused(tmp_path):
+    model = build("v3", "cpu")
+    fp8 = {k: v for k, v in model.state_dict().items()}
+    w = fp8["model.layers.0.mlp.up_proj.weight"]
+    fp8["model.layers.0.mlp.up_proj.weight"] = w.to(torch.float8_e4m3fn)  # ModelOpt FP8: codes, one scale
+    fp8["model.layers.0.mlp.up_proj.weight_scale"] = torch.tensor(1.0)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ValueError, match="holds model.layers.0.mlp.up_proj.weight_scale without an NVFP4 global"):
+        _write_and_load(tmp_path / "a", fp8, model)
+    del fp8["model.layers.0.mlp.up_proj.weight_scale"]
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match=r"holds model.layers.0.mlp.up_proj.weight as torch.float8_e4m3fn without"):
+        _write_and_load(tmp_path / "b", fp8, model)
+
+    (tmp_path / "c").mkdir()
+    write_checkpoint(tmp_path / "c", model, model.state_dict())
+    (tmp_path / "c" / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(ValueError, match=r"holds a ModelOpt checkpoint with quant_algo \['FP8'\]"):
+        lowbit.load_pretrained(tmp_path / "c", device="cpu", progress=False)
+    (tmp_path / "d").mkdir()
+    write_checkpoint(tmp_path / "d", model, nvfp4_state(model, fmt="compressed-tensors"), fmt="compressed-tensors")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="group 'group_0' is 'pack-quantized'"):
+        lowbit.load_pretrained(tmp_path / "d", device="cpu", progress=False)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        lowbit.load_pretrained(tmp_path / "d", device="cpu", progress=False)
+
+
+def test_unused_keys_warn_and_arguments_are_checked(tmp_path):
+    model = build("v3", "cpu")
+    state = nvfp4_state(model)
+    state["model.layers.7.mlp.gate_proj.weight"] = torch.ones(4, 4)  # e.g. a layer the config leaves out
+    write_checkpoint(tmp_path, model, state)
+    with pytest.warns(UserWarning, match=r"1 checkpoint keys have no place in the model .*layers.7"):
+        lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+
+    with lowbit.checkpoint.parameters_on_meta():
+        target = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="device is required: the model's parameters are on the meta device"):
+        lowbit.load_checkpoint_(target, tmp_path, progress=False)
+    with pytest.raises(ValueError, match="fp8_min_rows must be an int >= 0"):
+        lowbit.load_checkpoint_(target, tmp_path, device="cpu", fp8_min_rows=-1)
+    with pytest.raises(ValueError, match="key_map maps both"):
+        lowbit.load_checkpoint_(target, tmp_path, device="cpu", key_map=lambda k: "x")
+    with pytest.raises(FileNotFoundError, match="holds no .safetensors files"):
+        lowbit.load_checkpoint_(target, tmp_path / "nothing", device="cpu")
+
+
+def test_routers_keep_the_checkpoint_s_precision(tmp_path):
+    """The model is built in BF16, but a float32 router weight and
+    correction bias go to Nvfp4MoE's router unrounded: BF16 rounding of the
+    bias alone moves expert choices."""
+    model = build("v3", "cpu")
+    state = nvfp4_state(model)
+    torch.manual_seed(3)
+    fp32 = {}
+    for key in list(state):
+        if ".mlp.gate." in key:
+            fp32[key] = state[key] = state[key].float() + torch.randn(state[key].shape) * 1e-4
+    write_checkpoint(tmp_path, model, state)
+    loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+    for layer in (1, 2):
+        router = loaded.model.layers[layer].mlp.router
+        assert router.weight.dtype == torch.float32
+        assert torch.equal(router.weight, fp32[f"model.layers.{layer}.mlp.gate.weight"])
+        assert torch.equal(router.e_score_correction_bias, fp32[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
