@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from . import _placement
 from ._progress import progress_bar
 
 # Leaf names of the NVFP4 tensors, by format; the first names the format.
@@ -127,19 +129,24 @@ def _check_compressed(qc: dict, where: str) -> None:
                         "lowbit loads nvfp4-pack-quantized (4 bits, groups of 16) only"))
 
 
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 class _Shards:
     """A checkpoint directory's safetensors files: which file holds each
-    key, opened lazily, read one tensor at a time onto ``device``."""
+    key, opened lazily, read one tensor at a time onto the device that
+    ``place`` gives for its name."""
 
-    def __init__(self, path: Path, device: torch.device) -> None:
+    def __init__(self, path: Path) -> None:
         try:
             from safetensors import safe_open
         except ImportError as e:  # pragma: no cover - safetensors comes with transformers
             raise ImportError("lowbit.load_checkpoint_ needs the safetensors package (pip install safetensors)") from e
         self._open = safe_open
-        self._device = "cpu" if device.type == "cpu" else str(device)
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[tuple[Path, str], object] = {}
         self.key_of: dict[str, str] = {}  # the model's name -> the checkpoint's key, when they differ
+        self.place: Callable[[str], torch.device] = lambda name: torch.device("cpu")
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -148,24 +155,34 @@ class _Shards:
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(_err("path", f"holds no .safetensors files: {path}"))
-            self.file_of = {key: file for file in files for key in self._handle(file).keys()}
+            self.file_of = {key: file for file in files for key in self._handle(file, "cpu").keys()}
 
-    def _handle(self, file: Path):
-        if file not in self._handles:
-            self._handles[file] = self._open(str(file), framework="pt", device=self._device)
-        return self._handles[file]
+    def _handle(self, file: Path, device: str):
+        if (file, device) not in self._handles:
+            self._handles[(file, device)] = self._open(str(file), framework="pt", device=device)
+        return self._handles[(file, device)]
 
     def get(self, name: str) -> Tensor:
         key = self.key_of.get(name, name)
-        return self._handle(self.file_of[key]).get_tensor(key)
+        device = self.place(name)
+        return self._handle(self.file_of[key], "cpu" if device.type == "cpu" else str(device)).get_tensor(key)
+
+    def nbytes(self, key: str) -> int:
+        """The size of checkpoint tensor ``key``, from the file's header."""
+        meta = self._handle(self.file_of[key], "cpu").get_slice(key)
+        return math.prod(meta.get_shape()) * _DTYPE_BYTES.get(meta.get_dtype(), 4)
+
+
+def _with_index(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _device_of(model: nn.Module, device: torch.device | str | None) -> torch.device:
     if device is not None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
+        return _with_index(device)
     for t in model.parameters():
         if t.device.type != "meta":
             return t.device
@@ -272,6 +289,7 @@ def load_checkpoint_(
     path: str | Path,
     *,
     device: torch.device | str | None = None,
+    device_map: str | Mapping[str, torch.device | str] | None = None,
     key_map: Callable[[str], str | None] | None = None,
     fp8_min_rows: int = 0,
     progress: bool = True,
@@ -282,7 +300,14 @@ def load_checkpoint_(
 
     ``model``'s parameters may be on the meta device (built without
     memory); every one must then be in the checkpoint. ``device``: where the
-    tensors go (default: where the model's parameters are). ``key_map``
+    tensors go (default: where the model's parameters are). ``device_map``
+    spreads the model over several devices instead, pipeline style:
+    ``"auto"`` (the decoder layers over every visible CUDA device, balanced
+    by their checkpoint bytes; embeddings on the first, the output head on
+    the last) or {module name: device} as transformers takes it (a tensor
+    goes where its longest enclosing entry says, ``""`` the default); each
+    placed module then moves its inputs to its device, and the model its
+    outputs to its input's device. ``key_map``
     renames a checkpoint key to the model's name for it (None drops it),
     for checkpoints named otherwise than the model. ``fp8_min_rows``: as
     :func:`lowbit.quantize_`, for the Linear layers.
@@ -297,8 +322,7 @@ def load_checkpoint_(
         raise ValueError(_err("fp8_min_rows", f"must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}"))
     path = Path(path)
     declared = checkpoint_format(path)
-    device = _device_of(model, device)
-    shards = _Shards(path, device)
+    shards = _Shards(path)
     report = LoadReport()
 
     ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
@@ -314,6 +338,10 @@ def load_checkpoint_(
         renamed[name] = key
         names.append(name)
     shards.key_of = {name: key for name, key in renamed.items() if name != key}
+    placement = _device_map(model, device, device_map, lambda: {n: shards.nbytes(renamed[n]) for n in names})
+    # The default device: the map's "" entry, else its first, else device.
+    device = placement.get("", next(iter(placement.values()))) if placement else _device_of(model, device)
+    shards.place = place = _placement.placer(placement, device)
 
     nvfp4, plain = _group(names)
     for name in plain:
@@ -339,6 +367,11 @@ def load_checkpoint_(
         if block is not None and Nvfp4MoE.is_hf_block(block):
             experts = blocks.setdefault(m["block"], {})
             experts[(int(m["e"]), _EXPERT_ROLE[m["proj"]])] = prefix
+    for entry in placement:
+        owner = next((b for b in [*blocks, *nvfp4] if entry.startswith(b + ".")), None)
+        if owner is not None:
+            raise ValueError(_err("device_map", f"places {entry!r} apart from the rest of {owner}, which becomes one "
+                                                "lowbit module; place it whole"))
     in_blocks = {prefix for experts in blocks.values() for prefix in experts.values()}
     in_blocks |= {f"{b}.shared_experts.{p}" for b in blocks for p in _SHARED}
     linears = [p for p in nvfp4 if p not in in_blocks]
@@ -396,8 +429,36 @@ def load_checkpoint_(
 
     after = dict(model.named_buffers())
     report.not_in_checkpoint = [n for n, i in buffers_before.items() if n in after and id(after[n]) == i]
-    _finish(model, device, report)
+    _finish(model, place, report)
+    if len(set(placement.values())) > 1:
+        _placement.dispatch(model, placement)
     return report
+
+
+def _device_map(model: nn.Module, device: torch.device | str | None, device_map: object,
+                checkpoint_bytes: Callable[[], dict[str, int]]) -> dict[str, torch.device]:
+    """{module name: device} for load_checkpoint_'s ``device``/``device_map``."""
+    if device_map is None:
+        return {}
+    if device is not None:
+        raise ValueError(_err("device", "and device_map cannot both be given"))
+    if device_map == "auto":
+        if not torch.cuda.is_available():
+            raise ValueError(_err("device_map", "'auto' spreads the model over CUDA devices, and there are none"))
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        nbytes = checkpoint_bytes()
+        placement = _placement.auto_device_map(model, nbytes, devices)
+        place = _placement.placer(placement, devices[0])
+        need_of = dict.fromkeys(devices, 0)
+        for name, b in nbytes.items():
+            need_of[place(name)] += b
+        for d, need in need_of.items():
+            free = torch.cuda.mem_get_info(d)[0]
+            if need > 0.95 * free:
+                raise ValueError(_err("device_map", f"'auto' puts {need / 2**30:.1f} GiB of the checkpoint on {d}, "
+                                                    f"which has {free / 2**30:.1f} GiB free"))
+        return placement
+    return {name: _with_index(d) for name, d in _placement.checked_device_map(model, device_map).items()}
 
 
 def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: dict, shards: _Shards) -> nn.Module:
@@ -439,11 +500,11 @@ def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: 
         raise ValueError(_err("path", f"holds MoE block {name} that Nvfp4MoE cannot hold: {e}")) from e
 
 
-def _finish(model: nn.Module, device: torch.device, report: LoadReport) -> None:
+def _finish(model: nn.Module, place: Callable[[str], torch.device], report: LoadReport) -> None:
     """Ties the output embedding if the model asks for it, checks that no
     parameter was left unloaded, moves the rest (buffers the checkpoint
-    does not hold) to ``device`` and warns about unused keys and buffers
-    left as the model made them."""
+    does not hold) where ``place`` says and warns about unused keys and
+    buffers left as the model made them."""
     import warnings
 
     config = getattr(model, "config", None)
@@ -457,7 +518,11 @@ def _finish(model: nn.Module, device: torch.device, report: LoadReport) -> None:
         hint = f"; {len(report.unused)} checkpoint keys had no place in the model, first {report.unused[0]}" \
             if report.unused else ""
         raise ValueError(_err("path", f"does not hold the model's {', '.join(missing[:5])}{more}{hint}"))
-    model.to(device)
+    for name, mod in model.named_modules():
+        for leaf, buf in mod._buffers.items():
+            target = place(f"{name}.{leaf}" if name else leaf)
+            if buf is not None and buf.device != target:
+                mod._buffers[leaf] = buf.to(target)
     if report.not_in_checkpoint:
         warnings.warn(f"lowbit.load_checkpoint_: the checkpoint does not hold {len(report.not_in_checkpoint)} of the "
                       f"model's buffers, which keep their values, first: {report.not_in_checkpoint[:3]}",
@@ -491,6 +556,7 @@ def load_pretrained(
     path: str | Path,
     *,
     device: torch.device | str | None = None,
+    device_map: str | Mapping[str, torch.device | str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     key_map: Callable[[str], str | None] | None = None,
     fp8_min_rows: int = 0,
@@ -500,7 +566,8 @@ def load_pretrained(
     ``path`` (its config.json; the model class must be in transformers),
     with lowbit's layers for the quantized ones (:func:`load_checkpoint_`),
     on ``device`` (default: the current CUDA device if there is one, else
-    the CPU), unquantized tensors in ``dtype``, in eval mode."""
+    the CPU) or spread over devices by ``device_map`` (``"auto"``: every
+    visible GPU), unquantized tensors in ``dtype``, in eval mode."""
     try:
         import transformers
     except ImportError as e:
@@ -510,11 +577,12 @@ def load_pretrained(
     config = transformers.AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # lowbit's layers hold it; transformers would look for its own
-    if device is None:
+    if device is None and device_map is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if (path / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    load_checkpoint_(model, path, device=device, key_map=key_map, fp8_min_rows=fp8_min_rows, progress=progress)
+    load_checkpoint_(model, path, device=device, device_map=device_map, key_map=key_map, fp8_min_rows=fp8_min_rows,
+                     progress=progress)
     return model.eval()
