@@ -31,6 +31,20 @@ struct UnpackArgs {
   DType out_dtype;
 };
 
+// Prepacked layout -> checkpoint layout, the inverse of prepack (host
+// only: a save-time conversion). Exact for positive finite block scales, all
+// a quantizer writes; the prepacked form has already folded the others into
+// its codes, which come back as the same values: a zero scale as scale 1.0
+// with zero codes, a negative one as its magnitude with the codes' signs
+// flipped, a NaN one (sign dropped) as E4M3 NaN 0x7F.
+struct UnprepackArgs {
+  const uint8_t* weight;       // [N, Kp/2]
+  const uint8_t* scale;        // [N, Kp/16]
+  int64_t n, k;
+  uint8_t* codes;              // [N, K/2]
+  uint8_t* block_scale;        // [N, K/16] E4M3 codes
+};
+
 // Fused GEMMs (CUDA only): out [M, N] = x [M, K] W^T * global + bias.
 struct LinearArgs {
   const void* x;               // [M, K] contiguous, 16-byte aligned, dtype
@@ -74,6 +88,7 @@ struct Fp8RowsArgs {
 
 void prepack_cpu(const PrepackArgs& args);
 void unpack_cpu(const UnpackArgs& args);
+void unprepack_cpu(const UnprepackArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
 cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);

@@ -1,6 +1,6 @@
-// CPU reference of the NVFP4 Linear layout: prepack and its inverse (unpack
-// to dequantized values). The CPU Linear is unpack + an FP32 matmul in the
-// binding.
+// CPU reference of the NVFP4 Linear layout: prepack, unpack (to dequantized
+// values) and unprepack (back to the checkpoint layout). The CPU Linear is
+// unpack + an FP32 matmul in the binding.
 #include "lowbit/nvfp4_gemm.h"
 #include "lowbit/nvfp4_gemm_layout.h"
 #include "lowbit/float_convert.h"
@@ -47,6 +47,25 @@ void unpack_cpu(const UnpackArgs& a) {
         case DType::kFloat32: static_cast<float*>(a.out)[i] = v; break;
         case DType::kFloat16: static_cast<uint16_t*>(a.out)[i] = float_to_half_bits(v); break;
         case DType::kBFloat16: static_cast<uint16_t*>(a.out)[i] = float_to_bf16_bits(v); break;
+      }
+    }
+  }
+}
+
+void unprepack_cpu(const UnprepackArgs& a) {
+  const int64_t kp = padded_k(a.k);
+  std::memset(a.codes, 0, static_cast<size_t>(a.n * a.k / 2));
+  for (int64_t n = 0; n < a.n; ++n) {
+    for (int64_t b = 0; b < a.k / 16; ++b) {
+      // decode_scale gives the exact E4M3 value (or NaN), which re-encodes exactly.
+      const float scale = decode_scale(a.scale[element_pos(n, b * 16, kp).scale_byte]);
+      a.block_scale[n * (a.k / 16) + b] = float_to_e4m3(scale);
+      for (int64_t k = b * 16; k < b * 16 + 16; ++k) {
+        const ElementPos p = element_pos(n, k, kp);
+        uint32_t word;
+        std::memcpy(&word, a.weight + p.word_byte, 4);
+        const uint32_t code = ((word >> p.slot.mag) & 7u) | (((word >> p.slot.sign) & 1u) << 3);
+        a.codes[n * (a.k / 2) + k / 2] |= static_cast<uint8_t>(code << (4 * (k & 1)));
       }
     }
   }

@@ -17,6 +17,7 @@ namespace {
 
 constexpr const char* kPrepack = "nvfp4_prepack";
 constexpr const char* kUnpack = "nvfp4_unpack";
+constexpr const char* kUnprepack = "nvfp4_unprepack";
 constexpr const char* kLinear = "nvfp4_linear";
 
 }  // namespace
@@ -69,15 +70,16 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 
 namespace {
 
-// The prepacked weight [N, Kp/2] uint8, its scales [N, Kp/16] uint8 and the
-// global [] float32 for K (Kp = K rounded up to 128), for op `op`.
+// The prepacked weight [N, Kp/2] uint8, its scales [N, Kp/16] uint8 and
+// (unless null) the global [] float32 for K (Kp = K rounded up to 128), for
+// op `op`.
 void check_prepacked_weight(const char* op, const at::Tensor& weight, const at::Tensor& weight_scale,
-                            const at::Tensor& weight_global, const c10::SymInt& k) {
+                            const at::Tensor* weight_global, const c10::SymInt& k) {
   check_dtype(weight, op, "weight", {at::kByte});
   check_dims(weight, op, "weight", {2});
   check_dtype(weight_scale, op, "weight_scale", {at::kByte});
   check_dims(weight_scale, op, "weight_scale", {2});
-  check_dtype(weight_global, op, "weight_global", {at::kFloat});
+  if (weight_global != nullptr) check_dtype(*weight_global, op, "weight_global", {at::kFloat});
   const c10::SymInt kp = padded_k_sym(k);
   TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", op,
                     ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
@@ -86,7 +88,7 @@ void check_prepacked_weight(const char* op, const at::Tensor& weight, const at::
                     ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
                     kp / 2, "], got ", weight.sym_sizes());
   check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, op, "weight_scale");
-  check_shape(weight_global, c10::SymDimVector{}, op, "weight_global");
+  if (weight_global != nullptr) check_shape(*weight_global, c10::SymDimVector{}, op, "weight_global");
 }
 
 }  // namespace
@@ -99,7 +101,37 @@ void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, cons
                     ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
   check_same_device(weight_scale, weight, kUnpack, "weight_scale", "weight");
   check_same_device(weight_global, weight, kUnpack, "weight_global", "weight");
-  check_prepacked_weight(kUnpack, weight, weight_scale, weight_global, k);
+  check_prepacked_weight(kUnpack, weight, weight_scale, &weight_global, k);
+}
+
+void check_unprepack(const at::Tensor& weight, const at::Tensor& weight_scale, const c10::SymInt& k) {
+  TORCH_CHECK_VALUE(k >= 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kUnprepack,
+                    ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
+  check_same_device(weight_scale, weight, kUnprepack, "weight_scale", "weight");
+  check_prepacked_weight(kUnprepack, weight, weight_scale, nullptr, k);
+}
+
+std::tuple<at::Tensor, at::Tensor> empty_unprepack_outputs(const at::Tensor& weight, const c10::SymInt& k) {
+  auto opts = weight.options().dtype(at::kByte);
+  return {at::empty_symint(c10::SymDimVector{weight.sym_size(0), k / 2}, opts),
+          at::empty_symint(c10::SymDimVector{weight.sym_size(0), k / nvfp4::kBlockSize},
+                           opts.dtype(at::kFloat8_e4m3fn))};
+}
+
+std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                   int64_t k) {
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto out = empty_unprepack_outputs(w, k);
+  nvfp4::gemm::UnprepackArgs a{};
+  a.weight = w.data_ptr<uint8_t>();
+  a.scale = s.data_ptr<uint8_t>();
+  a.n = w.size(0);
+  a.k = k;
+  a.codes = std::get<0>(out).data_ptr<uint8_t>();
+  a.block_scale = reinterpret_cast<uint8_t*>(std::get<1>(out).data_ptr());
+  if (a.n > 0 && k > 0) nvfp4::gemm::unprepack_cpu(a);
+  return out;
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -116,7 +148,7 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   check_same_device(weight, x, kLinear, "weight", "x");
   check_same_device(weight_scale, x, kLinear, "weight_scale", "x");
   check_same_device(weight_global, x, kLinear, "weight_global", "x");
-  check_prepacked_weight(kLinear, weight, weight_scale, weight_global, x.sym_sizes().back());
+  check_prepacked_weight(kLinear, weight, weight_scale, &weight_global, x.sym_sizes().back());
   if (bias.has_value()) {
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "lowbit.", kLinear,
                      ": argument 'bias' must have the dtype of 'x' (", x.scalar_type(), "), got ",
@@ -209,6 +241,18 @@ at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight
   return at::empty_symint(c10::SymDimVector{weight.sym_size(0), k}, weight.options().dtype(dtype));
 }
 
+std::tuple<at::Tensor, at::Tensor> unprepack_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                 int64_t k) {
+  check_unprepack(weight, weight_scale, k);
+  return unprepacked_cpu(weight, weight_scale, k);
+}
+
+std::tuple<at::Tensor, at::Tensor> unprepack_meta(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                  c10::SymInt k) {
+  check_unprepack(weight, weight_scale, k);
+  return empty_unprepack_outputs(weight, k);
+}
+
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
   check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
@@ -221,11 +265,13 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cpu);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cpu);
+  m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cpu);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_meta);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_meta);
+  m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_meta);
   m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
 }

@@ -34,6 +34,14 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
                   const c10::SymInt& k, at::ScalarType dtype);
 
+// Checks the prepacked weight and scales of lowbit::nvfp4_unprepack for K
+// (a multiple of 16), on one device.
+void check_unprepack(const at::Tensor& weight, const at::Tensor& weight_scale, const c10::SymInt& k);
+// The prepacked weight back in the checkpoint layout, on the host (the
+// inputs on the CPU): codes uint8 [N, K/2], block scales float8_e4m3fn [N, K/16].
+std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                   int64_t k);
+
 // Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
 // [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32
 // and bias [N] in x's dtype, all on x's device, and fp8_min_rows >= 0.

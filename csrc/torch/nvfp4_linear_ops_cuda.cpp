@@ -54,6 +54,14 @@ at::Tensor unpack_weight_cuda(const at::Tensor& weight, const at::Tensor& weight
                        weight_global.contiguous(), k, dtype, c10::cuda::getCurrentCUDAStream());
 }
 
+// A save-time conversion: on the host, then back to the weight's device.
+std::tuple<at::Tensor, at::Tensor> unprepack_cuda(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                  int64_t k) {
+  check_unprepack(weight, weight_scale, k);
+  auto [codes, scales] = unprepacked_cpu(weight.cpu(), weight_scale.cpu(), k);
+  return {codes.to(weight.device()), scales.to(weight.device())};
+}
+
 // The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/nvfp4_gemm_fp8.cu),
 // then cuBLASLt's FP8 GEMM with the row scales and the bias in its epilogue.
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
@@ -144,5 +152,6 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
 TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cuda);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cuda);
+  m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cuda);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
 }

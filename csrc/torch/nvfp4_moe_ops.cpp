@@ -1,7 +1,8 @@
-// Bindings of lowbit::nvfp4_moe_prepack / nvfp4_moe: validation, the prepack
-// (one implementation for every device: a row interleave of W13 and the
-// Linear's prepack through the dispatcher), and the CPU and Meta kernels of
-// the MoE (CUDA in nvfp4_moe_ops_cuda.cpp).
+// Bindings of lowbit::nvfp4_moe_prepack / nvfp4_moe_unprepack / nvfp4_moe:
+// validation, the prepack and its inverse (one implementation for every
+// device: a row interleave of W13 and the Linear's prepack or unprepack
+// through the dispatcher), and the CPU and Meta kernels of the MoE (CUDA in
+// nvfp4_moe_ops_cuda.cpp).
 //
 // The CPU MoE is the reference: per expert that received tokens, dequantize
 // its weights to FP32, gate_up = x W13^T in FP32, the clamped SwiGLU in FP32,
@@ -22,6 +23,7 @@ namespace lowbit::ops {
 namespace {
 
 constexpr const char* kMoePrepack = "nvfp4_moe_prepack";
+constexpr const char* kMoeUnprepack = "nvfp4_moe_unprepack";
 constexpr const char* kMoe = "nvfp4_moe";
 
 void check_stacked(const at::Tensor& t, const char* op, const char* arg, std::initializer_list<at::ScalarType> dtypes) {
@@ -97,10 +99,17 @@ at::Tensor interleave_w13(const at::Tensor& t) {
   const int64_t e = t.size(0), two_i = t.size(1), c = t.size(2);
   return t.reshape({e, 2, two_i / 16, 8, c}).permute({0, 2, 1, 3, 4}).reshape({e * two_i, c});
 }
-// Its inverse for one expert: [2I, C] in prepacked order -> [gate; up].
+// Its inverse: [E, 2I, C] in prepacked order -> [E, 2I, C], gate rows then up rows.
 at::Tensor deinterleave_w13(const at::Tensor& t) {
-  const int64_t two_i = t.size(0), c = t.size(1);
-  return t.view({two_i / 16, 2, 8, c}).permute({1, 0, 2, 3}).reshape({two_i, c});
+  const int64_t e = t.size(0), two_i = t.size(1), c = t.size(2);
+  return t.view({e, two_i / 16, 2, 8, c}).permute({0, 2, 1, 3, 4}).reshape({e, two_i, c});
+}
+
+std::tuple<at::Tensor, at::Tensor> unprepack_2d(const at::Tensor& weight, const at::Tensor& scale, int64_t k) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("lowbit::nvfp4_unprepack", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::SymInt)>();
+  return op.call(weight, scale, c10::SymInt(k));
 }
 
 std::tuple<at::Tensor, at::Tensor> prepack_2d(const at::Tensor& weight, const at::Tensor& scale) {
@@ -137,6 +146,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_prepack(const at:
   return {p13.view({e, two_i, -1}), s13.view({e, two_i, -1}), p2.view({e, h, -1}), s2.view({e, h, -1})};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_unprepack(const at::Tensor& w13,
+                                                                         const at::Tensor& w13_scale,
+                                                                         const at::Tensor& w2,
+                                                                         const at::Tensor& w2_scale, int64_t h,
+                                                                         int64_t inter) {
+  check_stacked(w13, kMoeUnprepack, "w13", {at::kByte});
+  check_stacked(w13_scale, kMoeUnprepack, "w13_scale", {at::kByte});
+  check_stacked(w2, kMoeUnprepack, "w2", {at::kByte});
+  check_stacked(w2_scale, kMoeUnprepack, "w2_scale", {at::kByte});
+  TORCH_CHECK_VALUE(h > 0 && h % 16 == 0, "lowbit.", kMoeUnprepack,
+                    ": argument 'hidden_size' must be a positive multiple of 16, got ", h);
+  TORCH_CHECK_VALUE(inter > 0 && inter % 16 == 0, "lowbit.", kMoeUnprepack,
+                    ": argument 'intermediate_size' must be a positive multiple of 16, got ", inter);
+  const int64_t e = w13.size(0), hp = padded_k_sym(h).expect_int(), ip = padded_k_sym(inter).expect_int();
+  check_shape(w13, c10::SymDimVector{e, 2 * inter, hp / 2}, kMoeUnprepack, "w13");
+  check_shape(w13_scale, c10::SymDimVector{e, 2 * inter, hp / 16}, kMoeUnprepack, "w13_scale");
+  check_shape(w2, c10::SymDimVector{e, h, ip / 2}, kMoeUnprepack, "w2");
+  check_shape(w2_scale, c10::SymDimVector{e, h, ip / 16}, kMoeUnprepack, "w2_scale");
+  check_same_device(w13_scale, w13, kMoeUnprepack, "w13_scale", "w13");
+  check_same_device(w2, w13, kMoeUnprepack, "w2", "w13");
+  check_same_device(w2_scale, w13, kMoeUnprepack, "w2_scale", "w13");
+  auto [c13, s13] = unprepack_2d(w13.reshape({e * 2 * inter, hp / 2}), w13_scale.reshape({e * 2 * inter, hp / 16}), h);
+  auto [c2, s2] = unprepack_2d(w2.reshape({e * h, ip / 2}), w2_scale.reshape({e * h, ip / 16}), inter);
+  return {deinterleave_w13(c13.view({e, 2 * inter, h / 2})), deinterleave_w13(s13.view({e, 2 * inter, h / 16})),
+          c2.view({e, h, inter / 2}), s2.view({e, h, inter / 16})};
+}
+
 // Expert e's weight, dequantized to FP32 [N, K] (rows as prepacked).
 at::Tensor dequantize_expert(const at::Tensor& w, const at::Tensor& s, const at::Tensor& g, int64_t e, int64_t k) {
   at::Tensor out = at::empty({w.size(1), k}, w.options().dtype(at::kFloat));
@@ -170,7 +206,7 @@ at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at
     if (pairs[e].empty()) continue;
     at::Tensor slot = at::tensor(pairs[e], at::kLong);
     at::Tensor token = at::floor_divide(slot, k);
-    at::Tensor w13e = deinterleave_w13(dequantize_expert(p13, s13, g13, e, h));
+    at::Tensor w13e = deinterleave_w13(dequantize_expert(p13, s13, g13, e, h).unsqueeze(0)).squeeze(0);
     at::Tensor gate_up = at::matmul(xf.index_select(0, token), w13e.t());
     at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
     if (swiglu_limit.has_value()) {
@@ -197,6 +233,7 @@ at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_weights, const a
 
 TORCH_LIBRARY_IMPL(lowbit, CompositeExplicitAutograd, m) {
   m.impl("nvfp4_moe_prepack", &lowbit::ops::moe_prepack);
+  m.impl("nvfp4_moe_unprepack", &lowbit::ops::moe_unprepack);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_cpu); }

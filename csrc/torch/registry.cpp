@@ -62,7 +62,11 @@ TORCH_LIBRARY(lowbit, m) {
   // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/nvfp4_gemm.h).
   // nvfp4_unpack: the prepacked weight dequantized, [N, K] in `dtype` (global
   // scale included, one rounding); nvfp4_linear's backward uses it.
+  // nvfp4_unprepack: the inverse of nvfp4_prepack, back to the checkpoint
+  // layout (codes uint8 [N, K/2], float8_e4m3fn block scales [N, K/16]) to
+  // save a checkpoint; it runs on the host.
   m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
+  m.def("nvfp4_unprepack(Tensor weight, Tensor weight_scale, SymInt k) -> (Tensor, Tensor)");
   m.def("nvfp4_unpack(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k, ScalarType dtype) -> Tensor");
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
@@ -78,6 +82,9 @@ TORCH_LIBRARY(lowbit, m) {
   // W2_e(silu(min(g, L)) * clamp(u, -L, L)), [g; u] = W13_e x[t],
   // e = topk_ids[t, j], globals float32 [E]; no clamp when swiglu_limit is
   // None. Ids outside [0, E) raise on CPU; on CUDA that slot adds nothing.
+  // nvfp4_moe_unprepack: the inverse of nvfp4_moe_prepack for hidden size H
+  // and intermediate size I (the prepacked shapes pad them), on the host.
   m.def("nvfp4_moe_prepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("nvfp4_moe_unprepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, SymInt hidden_size, SymInt intermediate_size) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("nvfp4_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None) -> Tensor");
 }

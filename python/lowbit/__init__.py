@@ -6,10 +6,10 @@ _load()
 
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
-from .linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack  # noqa: E402
-from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack  # noqa: E402
+from .linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack  # noqa: E402
+from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
-from .checkpoint import load_checkpoint_, load_pretrained  # noqa: E402
+from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -26,10 +26,13 @@ __all__ = [
     "nvfp4_linear",
     "nvfp4_moe",
     "nvfp4_moe_prepack",
+    "nvfp4_moe_unprepack",
     "nvfp4_prepack",
     "nvfp4_quantize",
     "nvfp4_unpack",
+    "nvfp4_unprepack",
     "route",
     "topk",
     "quantize_",
+    "save_pretrained",
 ]

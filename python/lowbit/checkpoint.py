@@ -25,8 +25,9 @@ Activation and KV-cache scales (``input_scale``, ``input_global_scale``,
 ``k_scale``, ``v_scale``) are not used: the layers run W4A16. Checkpoints in
 other quantized formats (FP8, MXFP4, INT4) are refused by name.
 
-Tensors go to one device; a checkpoint is read one tensor at a time, so the
-peak memory is the loaded model plus one MoE layer's conversion.
+A checkpoint is read one tensor at a time, so the peak memory is the loaded
+model plus one expert's conversion. :func:`save_pretrained` writes a model
+with lowbit's layers back as a ModelOpt checkpoint that these load.
 """
 
 from __future__ import annotations
@@ -586,3 +587,102 @@ def load_pretrained(
     load_checkpoint_(model, path, device=device, device_map=device_map, key_map=key_map, fp8_min_rows=fp8_min_rows,
                      progress=progress)
     return model.eval()
+
+
+class _ShardWriter:
+    """Tensors into numbered safetensors files of at most ``max_bytes``
+    each (one larger tensor gets a file of its own), and the index."""
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        from safetensors.torch import save_file
+
+        self._save, self._path, self._max = save_file, path, max_bytes
+        self._pending: dict[str, Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[list[str]] = []
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self._max:
+            self._flush()
+        self._pending[name] = tensor.detach().cpu().contiguous()
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        self._save(self._pending, str(self._path / f"model-part-{len(self._files):05d}.safetensors"),
+                   metadata={"format": "pt"})
+        self._files.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self._pending or not self._files:
+            self._flush()
+        n = len(self._files)
+        weight_map = {}
+        for i, names in enumerate(self._files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self._path / f"model-part-{i:05d}.safetensors").replace(self._path / final)
+            weight_map.update(dict.fromkeys(names, final))
+        (self._path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"format": "pt"}, "weight_map": weight_map}, indent=1))
+
+
+def save_pretrained(model: nn.Module, path: str | Path, *, max_shard_bytes: int = 5 << 30,
+                    progress: bool = True) -> None:
+    """Writes ``model`` (a transformers model with lowbit's layers, e.g. after
+    :func:`lowbit.quantize_` or :func:`load_pretrained`) to the directory
+    ``path`` as an NVIDIA ModelOpt NVFP4 checkpoint that
+    :func:`load_pretrained` loads back to the same model, bit for bit:
+    config.json, ``hf_quant_config.json`` (NVFP4, group 16, the Linear
+    layers left unquantized as ``exclude_modules``) and safetensors files
+    of at most ``max_shard_bytes`` with their index.
+
+    Nvfp4Linear / Nvfp4GroupedLinear become ``weight``, ``weight_scale``,
+    ``weight_scale_2``; an Nvfp4MoE its experts one module per expert, its
+    shared expert and its router under transformers' DeepSeek names
+    (:meth:`lowbit.nn.Nvfp4MoE.to_hf_modelopt`); every other parameter and
+    persistent buffer is written as it is (a tied one once). The layout is
+    ModelOpt's, but there are no activation scales (``input_scale``): the
+    checkpoint is for W4A16, and engines that run NVFP4 activations (W4A4)
+    need a calibrated export."""
+    from . import __version__
+    from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
+    from .nn.moe import Nvfp4MoE
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(path, max_shard_bytes)
+    exclude: list[str] = []
+    done: list[str] = []
+    seen: set[int] = set()
+    lowbit_modules = [n for n, m in model.named_modules() if isinstance(m, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE))]
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if any(name.startswith(d + ".") for d in done):
+                continue  # inside a lowbit module already written
+            join = (lambda leaf: f"{name}.{leaf}") if name else (lambda leaf: leaf)
+            if isinstance(mod, (Nvfp4Linear, Nvfp4GroupedLinear, Nvfp4MoE)):
+                tensors = mod.to_hf_modelopt() if isinstance(mod, Nvfp4MoE) else mod.to_modelopt()
+                for leaf, t in tensors.items():
+                    writer.add(join(leaf), t)
+                done.append(name)
+                if progress:
+                    progress_bar("lowbit.save_pretrained", len(done), len(lowbit_modules), name)
+                continue
+            if isinstance(mod, nn.Linear):
+                exclude.append(name)
+            owned = [*mod._parameters.items(),
+                     *((k, b) for k, b in mod._buffers.items() if k not in mod._non_persistent_buffers_set)]
+            for leaf, t in owned:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    writer.add(join(leaf), t)
+    writer.finish()
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.save_pretrained(path)
+    (path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "lowbit", "version": __version__},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                         "exclude_modules": exclude},
+    }, indent=1))

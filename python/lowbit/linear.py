@@ -34,6 +34,25 @@ def nvfp4_prepack(weight: Tensor, weight_scale: Tensor) -> Nvfp4PrepackedWeight:
     return Nvfp4PrepackedWeight(w, s)
 
 
+class Nvfp4CheckpointWeight(NamedTuple):
+    """weight: uint8 [N, K/2] codes, weight_scale: float8_e4m3fn [N, K/16]."""
+
+    weight: Tensor
+    weight_scale: Tensor
+
+
+def nvfp4_unprepack(weight: Tensor, weight_scale: Tensor, k: int) -> Nvfp4CheckpointWeight:
+    """The inverse of :func:`nvfp4_prepack`: the prepacked weight of a layer
+    with ``k`` input features back in the checkpoint layout, to save it.
+    Byte for byte the original for positive finite block scales (all that
+    quantizers write); zero, negative and NaN block scales, which the
+    prepacked layout folds into the codes, come back as the same values
+    (see csrc/lowbit/nvfp4_gemm.h). Runs on the host; the outputs are on
+    the weight's device."""
+    w, s = torch.ops.lowbit.nvfp4_unprepack(weight, weight_scale, k)
+    return Nvfp4CheckpointWeight(w, s)
+
+
 def nvfp4_unpack(
     weight: Tensor, weight_scale: Tensor, weight_global: Tensor, k: int, dtype: torch.dtype = torch.bfloat16
 ) -> Tensor:

@@ -50,6 +50,17 @@ def nvfp4_moe_prepack(w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tens
     return Nvfp4MoePrepacked(*torch.ops.lowbit.nvfp4_moe_prepack(w13, w13_scale, w2, w2_scale))
 
 
+def nvfp4_moe_unprepack(
+    w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, hidden_size: int, intermediate_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The inverse of :func:`nvfp4_moe_prepack` for experts of ``hidden_size``
+    H and ``intermediate_size`` I: (w13 uint8 [E, 2I, H/2], gate rows then
+    up rows, w13_scale float8_e4m3fn [E, 2I, H/16], w2 [E, H, I/2],
+    w2_scale [E, H, I/16]), as :func:`lowbit.nvfp4_unprepack` restores a
+    Linear's (runs on the host, outputs on the inputs' device)."""
+    return torch.ops.lowbit.nvfp4_moe_unprepack(w13, w13_scale, w2, w2_scale, hidden_size, intermediate_size)
+
+
 def nvfp4_moe(
     x: Tensor,
     topk_weights: Tensor,

@@ -371,3 +371,84 @@ def test_model_spread_over_gpu_and_cpu(family, tmp_path):
     # Measured (H100): V3 2.9e-3, V4 2.5e-3; the models' own BF16 error is 7.5e-3 and 8.9e-3.
     assert rel(got, want) <= 5e-3, rel(got, want)
     assert tokens.shape == (2, 20) and tokens.device == ids.device and torch.equal(tokens[:, :16], ids)
+
+
+def saved_tensors(path: Path) -> dict:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(str(file)))
+    return out
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_save_pretrained_writes_modelopt_and_loads_back(family, device, tmp_path):
+    """quantize_'s model saved: the tensors are the ModelOpt export written
+    here from the same weights, byte for byte, in shards with an index; the
+    saved checkpoint loads back to the same logits, bit for bit."""
+    model = build(family, "cpu")
+    quantized = quantized_reference(model, device)
+    lowbit.save_pretrained(quantized, tmp_path, max_shard_bytes=1 << 18, progress=False)
+    got = saved_tensors(tmp_path)
+    want = {k: v for k, v in nvfp4_state(model).items() if not k.endswith(".input_scale")}
+    assert sorted(got) == sorted(want)
+    for key, w in want.items():
+        g = got[key]
+        if w.dtype in (torch.uint8, torch.float8_e4m3fn):  # codes, block scales: the very bytes
+            assert g.dtype == w.dtype and torch.equal(g.view(torch.uint8), w.view(torch.uint8)), key
+        else:  # routers are kept in float32 / int32 by Nvfp4MoE: the same values
+            assert torch.equal(g.to(w.dtype), w), key
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(got) and len(set(index.values())) > 2
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and quant["exclude_modules"] == ["lm_head"]
+
+    loaded = lowbit.load_pretrained(tmp_path, device=device, progress=False)
+    torch.testing.assert_close(logits(loaded, device), logits(quantized, device), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_unprepack_inverts_prepack(device):
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 272  # K not a multiple of the 128-column tiles
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=g)  # every positive finite E4M3
+    pw, ps = lowbit.nvfp4_prepack(codes.to(device), scales.to(device))
+    back = lowbit.nvfp4_unprepack(pw, ps, k)
+    assert back.weight.device == pw.device and back.weight_scale.dtype == torch.float8_e4m3fn
+    assert torch.equal(back.weight.cpu(), codes) and torch.equal(back.weight_scale.cpu().view(torch.uint8), scales)
+
+    # Zero, negative and NaN block scales come back as the same values.
+    odd = scales.clone()
+    odd[0, 0], odd[1, 2], odd[2, 3], odd[3, 4] = 0x00, 0x80 | 0x38, 0x7F, 0xFF
+    back = lowbit.nvfp4_unprepack(*lowbit.nvfp4_prepack(codes.to(device), odd.to(device)), k)
+    one = torch.ones((), device=device)
+    before = lowbit.nvfp4_dequantize(codes.to(device), odd.to(device).view(torch.float8_e4m3fn), one, torch.float32)
+    after = lowbit.nvfp4_dequantize(back.weight, back.weight_scale, one, torch.float32)
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)
+    assert back.weight_scale.view(torch.uint8)[0, 0].item() == 0x38  # zero scale: 1.0 with zero codes
+
+    e, h, i = 3, 144, 48
+    stacks = [torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=g),
+              torch.randint(1, 0x7F, (e, 2 * i, h // 16), dtype=torch.uint8, generator=g),
+              torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, generator=g),
+              torch.randint(1, 0x7F, (e, h, i // 16), dtype=torch.uint8, generator=g)]
+    prepacked = lowbit.nvfp4_moe_prepack(*(t.to(device) for t in stacks))
+    for got, want in zip(lowbit.nvfp4_moe_unprepack(*prepacked, h, i), stacks):
+        assert torch.equal(got.cpu().view(torch.uint8), want)
+
+
+def test_unprepack_opcheck_and_bad_input():
+    q = lowbit.nvfp4_quantize(torch.randn(32, 144))
+    pw, ps = lowbit.nvfp4_prepack(q.packed, q.block_scale)
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_unprepack.default, (pw, ps, 144))
+    stacked = lowbit.nvfp4_quantize(torch.randn(2, 64, 144))
+    down = lowbit.nvfp4_quantize(torch.randn(2, 144, 32))
+    pm = lowbit.nvfp4_moe_prepack(stacked.packed, stacked.block_scale, down.packed, down.block_scale)
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_moe_unprepack.default, (*pm, 144, 32))
+    with pytest.raises(ValueError, match=r"nvfp4_unprepack: argument 'weight' must be prepacked .* for K = 272"):
+        lowbit.nvfp4_unprepack(pw, ps, 272)
+    with pytest.raises(ValueError, match="nvfp4_unprepack: argument 'k' must be a multiple of 16"):
+        lowbit.nvfp4_unprepack(pw, ps, 100)
+    with pytest.raises(ValueError, match=r"nvfp4_moe_unprepack: argument 'w13' must have shape \[2, 96, 128\]"):
+        lowbit.nvfp4_moe_unprepack(*pm, 144, 48)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack
+from ..linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack
 from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
@@ -97,6 +97,17 @@ class Nvfp4Linear(KeepsDtypes):
     ) -> "Nvfp4Linear":
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
         return cls.from_checkpoint(weight_packed, weight_scale, 1.0 / weight_global_scale.float(), bias)
+
+    def to_modelopt(self) -> dict[str, Tensor]:
+        """The layer as NVIDIA ModelOpt checkpoint tensors (the inverse of
+        :meth:`from_modelopt`), on the CPU: ``weight`` uint8 [N, K/2],
+        ``weight_scale`` float8_e4m3fn [N, K/16], ``weight_scale_2``
+        float32 [] and ``bias`` when there is one."""
+        codes, scales = nvfp4_unprepack(self.weight.cpu(), self.weight_scale.cpu(), self.in_features)
+        out = {"weight": codes, "weight_scale": scales, "weight_scale_2": self.weight_global.detach().cpu().clone()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu().clone()
+        return out
 
     @staticmethod
     def computes_like(linear: nn.Linear) -> bool:
@@ -208,6 +219,10 @@ class Nvfp4GroupedLinear(KeepsDtypes):
         mod = cls(weight.shape[1] * 2, n_rows // n_groups, n_groups, device="meta")
         mod.linear = Nvfp4Linear.from_checkpoint(weight, weight_scale, weight_global)
         return mod
+
+    def to_modelopt(self) -> dict[str, Tensor]:
+        """The whole [G N, K] weight as ModelOpt tensors (:meth:`Nvfp4Linear.to_modelopt`)."""
+        return self.linear.to_modelopt()
 
     def forward(self, x: Tensor) -> Tensor:
         g, k, n = self.n_groups, self.in_features, self.out_features

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..moe import nvfp4_moe, nvfp4_moe_prepack
+from ..moe import nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack
 from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 from .linear import Nvfp4Linear
@@ -630,6 +630,46 @@ class Nvfp4MoE(KeepsDtypes):
             where, h, i, n_experts, checked, router_weight.device, (shared_gate_proj, shared_up_proj, shared_down_proj),
             router_weight, bias, routing,
         )
+
+    def to_hf_modelopt(self) -> dict[str, Tensor]:
+        """The layer as NVIDIA ModelOpt checkpoint tensors named as in a
+        transformers DeepSeek MoE block (the inverse of
+        :meth:`from_hf_modelopt`), on the CPU: ``experts.<e>.gate_proj`` /
+        ``up_proj`` / ``down_proj`` (``weight``, ``weight_scale``,
+        ``weight_scale_2``; gate and up share the expert's global),
+        ``shared_experts.*`` likewise, and the router as ``gate.weight``,
+        ``gate.e_score_correction_bias`` and ``gate.tid2eid`` (hash mode)."""
+        h, i, e = self.hidden_size, self.intermediate_size, self.n_experts
+        w13, s13, w2, s2 = nvfp4_moe_unprepack(self.w13.cpu(), self.w13_scale.cpu(), self.w2.cpu(),
+                                               self.w2_scale.cpu(), h, i)
+        g13, g2 = self.w13_global.detach().cpu(), self.w2_global.detach().cpu()
+        out: dict[str, Tensor] = {}
+
+        def add(prefix: str, weight: Tensor, scale: Tensor, global_: Tensor) -> None:
+            # Clones: a view would share the stacked tensor's storage.
+            out.update({f"{prefix}.weight": weight.clone(), f"{prefix}.weight_scale": scale.clone(),
+                        f"{prefix}.weight_scale_2": global_.clone()})
+
+        for j in range(e + (1 if self.shared_fused else 0)):
+            prefix = f"experts.{j}" if j < e else "shared_experts"
+            add(f"{prefix}.gate_proj", w13[j, :i], s13[j, :i], g13[j])
+            add(f"{prefix}.up_proj", w13[j, i:], s13[j, i:], g13[j])
+            add(f"{prefix}.down_proj", w2[j], s2[j], g2[j])
+        if self.shared_gate_up is not None:
+            si = self.shared_intermediate_size
+            gate_up, down = self.shared_gate_up.to_modelopt(), self.shared_down.to_modelopt()
+            add("shared_experts.gate_proj", gate_up["weight"][:si], gate_up["weight_scale"][:si],
+                gate_up["weight_scale_2"])
+            add("shared_experts.up_proj", gate_up["weight"][si:], gate_up["weight_scale"][si:],
+                gate_up["weight_scale_2"])
+            add("shared_experts.down_proj", down["weight"], down["weight_scale"], down["weight_scale_2"])
+        router = self.router
+        out["gate.weight"] = router.weight.detach().cpu().clone()
+        if router.e_score_correction_bias is not None:
+            out["gate.e_score_correction_bias"] = router.e_score_correction_bias.detach().cpu().clone()
+        if self.mode == "hash":
+            out["gate.tid2eid"] = router.tid2eid.detach().cpu().clone()
+        return out
 
     # ---- forward ----------------------------------------------------------
 
