@@ -74,16 +74,20 @@ def auto_device_map(model: nn.Module, nbytes: Mapping[str, int], devices: list[t
     before = [s for s in siblings if order[s] < first_unit]
     after = [s for s in siblings if order[s] > last_unit]
 
-    def size(prefix: str) -> int:
-        return sum(b for key, b in nbytes.items() if key.startswith(prefix + "."))
-
-    sizes = [size(u) for u in units]
+    # Bytes per placed module: each tensor to its innermost enclosing one.
+    size = dict.fromkeys([*units, *before], 0)
+    for key, b in nbytes.items():
+        parts = key.split(".")
+        owner = next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in size), None)
+        if owner is not None:
+            size[owner] += b
+    sizes = [size[u] for u in units]
     total = sum(nbytes.values())
     share = total / len(devices)
     placed: dict[str, torch.device] = {"": devices[0]}
     placed.update({name: devices[0] for name in before})
     placed.update({name: devices[-1] for name in after})
-    acc, d = sum(size(b) for b in before), 0
+    acc, d = sum(size[b] for b in before), 0
     for unit, s in zip(units, sizes):
         # The device whose share the middle of this layer falls in, never going back.
         d = max(d, min(len(devices) - 1, int((acc + s / 2) // share)))
