@@ -173,6 +173,11 @@ class _Shards:
         meta = self._handle(self.file_of[key], "cpu").get_slice(key)
         return math.prod(meta.get_shape()) * _DTYPE_BYTES.get(meta.get_dtype(), 4)
 
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype of the tensor named ``name`` ("BF16", "U8", ...), from the header."""
+        key = self.key_of.get(name, name)
+        return self._handle(self.file_of[key], "cpu").get_slice(key).get_dtype()
+
 
 def _with_index(device: torch.device | str) -> torch.device:
     device = torch.device(device)
@@ -351,6 +356,10 @@ def load_checkpoint_(
             raise ValueError(_err("path", f"holds {name} without an NVFP4 global scale beside it (weight_scale_2 or "
                                           "weight_global_scale): a quantized format other than NVFP4, which lowbit "
                                           "does not load, or an incomplete NVFP4 layer"))
+        if shards.dtype_name(name) == "F8_E8M0":
+            raise ValueError(_err("path", f"holds {name} in E8M0, the block scales of MXFP4 (the format of "
+                                          "DeepSeek's own FP4 releases), which is not NVFP4; lowbit loads NVFP4 "
+                                          "checkpoints (ModelOpt, compressed-tensors) only"))
     formats = {}
     for prefix, leaves in nvfp4.items():
         formats[prefix] = "modelopt" if _MODELOPT[0] in leaves else "compressed-tensors"

@@ -246,6 +246,12 @@ def test_other_formats_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"holds model.layers.0.mlp.up_proj.weight as torch.float8_e4m3fn without"):
         _write_and_load(tmp_path / "b", fp8, model)
 
+    # DeepSeek's own FP4 releases: E2M1 codes with E8M0 scales per 32 (MXFP4).
+    mxfp4 = {**nvfp4_state(model), "model.layers.1.mlp.experts.0.w1.scale": torch.ones(16, 8).to(torch.float8_e8m0fnu)}
+    (tmp_path / "e").mkdir()
+    with pytest.raises(ValueError, match=r"holds model.layers.1.mlp.experts.0.w1.scale in E8M0, the block scales"):
+        _write_and_load(tmp_path / "e", mxfp4, model)
+
     (tmp_path / "c").mkdir()
     write_checkpoint(tmp_path / "c", model, model.state_dict())
     (tmp_path / "c" / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
