@@ -159,6 +159,13 @@ constexpr int64_t kPanelMaxM = 16;
 constexpr int64_t kNarrowMaxM = 16;
 constexpr int64_t kWideMaxM = 128;
 constexpr int64_t kWgmmaMaxM = 2048;
+constexpr int64_t kWgmmaBlockRows = 128;  // W rows of a wgmma CTA (nvfp4_wgmma.cuh kBN)
+// The grouped Linear runs the wgmma kernel up to this many tokens, the
+// weight unpacked + a batched matmul above: on DeepSeek-V4-Flash's o_a_proj
+// (8 x 4096 -> 1024, H100) the kernel ran at 0.80-0.98x the BF16 bmm's
+// speed up to 512 tokens, where the unpacked form ran at 0.44-0.59x, and at
+// 0.82x against 0.85x at 2048 (docs/PERF.md, Nvfp4GroupedLinear v3).
+constexpr int64_t kGroupedWgmmaMaxM = 1024;
 enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack, kPanel };
 struct LinearPlan {
   LinearPath path;
@@ -211,6 +218,13 @@ int linear_wgmma_tokens(int64_t m);
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k);
 bool linear_wgmma_pairs(int64_t m, int64_t splits);
 cudaError_t linear_wgmma_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
+// The grouped (block-diagonal) Linear on the wgmma kernel: x [M, G, K]
+// (args.x, row stride G K), W [G group_n, K] prepacked (args.n = G group_n),
+// out [M, G, group_n]: out[m, g] = x[m, g] W_g^T * global (+ bias), W_g rows
+// [g group_n, (g + 1) group_n). group_n a multiple of kWgmmaBlockRows and K of 128
+// (else cudaErrorInvalidValue): a W block lies in one group and a group's
+// columns of x end on a k-tile.
+cudaError_t grouped_linear_wgmma_cuda(const LinearArgs& args, int64_t group_n, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::nvfp4::gemm

@@ -585,6 +585,7 @@ __device__ __forceinline__ bool moe_wgmma_tile(const WorkList& work, int64_t nti
   if (!work.fetch_at(static_cast<int>(blockIdx.z), it)) return false;
   t.w_tile_row = static_cast<int32_t>(int64_t(it.expert) * ntiles + int64_t(blockIdx.y) * (gemm::wgmma::kBN / 16));
   t.x_row = it.row;
+  t.x_col = 0;
   t.group = it.expert;
   t.rows = it.rows;
   return true;

@@ -150,11 +150,13 @@ struct DumpView {
 };
 
 // What a CTA computes: W tile rows [w_tile_row, + 8) of the code and scale
-// maps (128 W rows), x rows [x_row, x_row + NT) of the x map; group and rows
-// are the problem's own (the MoE: the item's expert and row count).
+// maps (128 W rows), x rows [x_row, x_row + NT) of the x map from column
+// x_col on (0 but for a grouped Linear: its group's slice of x); group and
+// rows are the problem's own (the MoE: the item's expert and row count).
 struct Tile {
   int32_t w_tile_row;
   int32_t x_row;
+  int32_t x_col;
   int32_t group;
   int32_t rows;
 };
@@ -225,7 +227,8 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
   auto load_x = [&](int h) {
     const int xs = slot_of<C::kXStages>(h);
     sm90::mbar_arrive_expect_tx(&x_full[xs], C::kXBytes);
-    sm90::tma_load_2d(x_stage(xs), &x_map, static_cast<int32_t>(kc0 * kTileK + h * kStepK), tile.x_row, &x_full[xs]);
+    sm90::tma_load_2d(x_stage(xs), &x_map, static_cast<int32_t>(tile.x_col + kc0 * kTileK + h * kStepK), tile.x_row,
+                      &x_full[xs]);
   };
 
   if (warp < 8) {
@@ -408,8 +411,9 @@ __global__ void __launch_bounds__(Config<NT, kPair>::kThreads, 1)
 
 }
 
-// The kernel's three tensor maps: x [rows, K] (dtype) in boxes of NT rows x
-// 64 columns (128-byte swizzle, the wgmma B operand); the prepacked weight
+// The kernel's three tensor maps: x [rows, x_cols] (dtype; x_cols 0: K) in
+// boxes of NT rows x 64 columns (128-byte swizzle, the wgmma B operand); the
+// prepacked weight
 // ([N rows, Kp / 2] codes, [N, Kp / 16] scales; N a multiple of 16, all
 // experts of a stack) as [N / 16 tile rows, tiles of 1024 / 128 bytes] of
 // 32-bit words, in boxes of raw_tiles tile rows x one tile (a raw stage:
@@ -418,12 +422,14 @@ struct Maps {
   CUtensorMap x, code, scale;
 };
 inline cudaError_t make_maps(Maps& maps, const void* x, DType dtype, int64_t x_rows, int64_t k, int nt,
-                             const uint8_t* weight, const uint8_t* scale, int64_t n, int raw_tiles = kRawTiles) {
+                             const uint8_t* weight, const uint8_t* scale, int64_t n, int raw_tiles = kRawTiles,
+                             int64_t x_cols = 0) {
   const int64_t tiles_k = padded_k(k) / kTileK, row_tiles = n / kTileN;
   const CUtensorMapDataType x_type =
       dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  if (x_cols == 0) x_cols = k;
   cudaError_t err =
-      cuda::make_tensor_map(&maps.x, x, x_type, x_rows, k, k * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
+      cuda::make_tensor_map(&maps.x, x, x_type, x_rows, x_cols, x_cols * 2, nt, kStepK, CU_TENSOR_MAP_SWIZZLE_128B);
   if (err == cudaSuccess)
     err = cuda::make_tensor_map(&maps.code, weight, CU_TENSOR_MAP_DATA_TYPE_UINT32, row_tiles,
                                 tiles_k * kTileBytes / 4, tiles_k * kTileBytes, raw_tiles, kTileBytes / 4,

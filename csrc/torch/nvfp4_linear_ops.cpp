@@ -19,6 +19,7 @@ constexpr const char* kPrepack = "nvfp4_prepack";
 constexpr const char* kUnpack = "nvfp4_unpack";
 constexpr const char* kUnprepack = "nvfp4_unprepack";
 constexpr const char* kLinear = "nvfp4_linear";
+constexpr const char* kGrouped = "nvfp4_grouped_linear";
 
 }  // namespace
 
@@ -160,6 +161,32 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                     ": argument 'fp8_min_rows' must be >= 0 (0: never the FP8 mode), got ", fp8_min_rows);
 }
 
+void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                          const at::Tensor& weight_global, int64_t n_groups, bool cuda) {
+  if (cuda) {
+    check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf});
+  } else {
+    check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf, at::kFloat});
+  }
+  TORCH_CHECK_VALUE(n_groups >= 1, "lowbit.", kGrouped, ": argument 'n_groups' must be >= 1, got ", n_groups);
+  TORCH_CHECK_VALUE(x.dim() >= 2 && x.sym_size(-2) == n_groups, "lowbit.", kGrouped,
+                    ": argument 'x' must have shape [..., n_groups (", n_groups, "), K], got ", x.sym_sizes());
+  check_last_dim_multiple(x, nvfp4::kBlockSize, kGrouped, "x");
+  check_same_device(weight, x, kGrouped, "weight", "x");
+  check_same_device(weight_scale, x, kGrouped, "weight_scale", "x");
+  check_same_device(weight_global, x, kGrouped, "weight_global", "x");
+  check_prepacked_weight(kGrouped, weight, weight_scale, &weight_global, x.sym_sizes().back());
+  TORCH_CHECK_VALUE(weight.sym_size(0) % (n_groups * nvfp4::gemm::kTileN) == 0, "lowbit.", kGrouped,
+                    ": argument 'weight' must have n_groups (", n_groups, ") blocks of rows, each a multiple of 16, got ",
+                    weight.sym_size(0), " rows");
+}
+
+c10::SymDimVector grouped_linear_output_shape(const at::Tensor& x, const at::Tensor& weight, int64_t n_groups) {
+  c10::SymDimVector out(x.sym_sizes().begin(), x.sym_sizes().end());
+  out.back() = weight.sym_size(0) / n_groups;
+  return out;
+}
+
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight) {
   c10::SymDimVector out(x.sym_sizes().begin(), x.sym_sizes().end());
   out.back() = weight.sym_size(0);
@@ -241,6 +268,26 @@ at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight
   return at::empty_symint(c10::SymDimVector{weight.sym_size(0), k}, weight.options().dtype(dtype));
 }
 
+// The reference: the weight unpacked to FP32, per group x_g W_g^T in FP32,
+// rounded once to x's dtype.
+at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                              const at::Tensor& weight_global, int64_t n_groups) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/false);
+  const int64_t k = x.size(-1), n = weight.size(0) / n_groups;
+  const at::Tensor w = unpacked_cpu(weight.contiguous(), weight_scale.contiguous(), weight_global.contiguous(), k,
+                                    at::kFloat).view({n_groups, n, k});
+  const at::Tensor y = at::einsum("tgk,gnk->tgn", {x.reshape({-1, n_groups, k}).to(at::kFloat), w});
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return y.to(x.scalar_type()).contiguous().view(shape);
+}
+
+at::Tensor grouped_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                               const at::Tensor& weight_global, int64_t n_groups) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/false);
+  return at::empty_symint(grouped_linear_output_shape(x, weight, n_groups), x.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> unprepack_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
                                                  int64_t k) {
   check_unprepack(weight, weight_scale, k);
@@ -266,6 +313,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cpu);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cpu);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cpu);
+  m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cpu);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
 }
 
@@ -273,5 +321,6 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_meta);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_meta);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_meta);
+  m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_meta);
   m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
 }

@@ -50,6 +50,13 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                   bool cuda);
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight);
 
+// Checks x [..., G, K] (bf16/fp16; fp32 too on CPU), n_groups G >= 1 and the
+// prepacked weight of G blocks of rows (each a multiple of 16) for K, all
+// on x's device, for lowbit::nvfp4_grouped_linear; its output [..., G, N / G].
+void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                          const at::Tensor& weight_global, int64_t n_groups, bool cuda);
+c10::SymDimVector grouped_linear_output_shape(const at::Tensor& x, const at::Tensor& weight, int64_t n_groups);
+
 // Whether a call of m rows runs the FP8 mode (nvfp4_gemm.h, Fp8WeightArgs):
 // fp8_min_rows > 0 and m >= fp8_min_rows.
 inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_rows > 0 && m >= fp8_min_rows; }

@@ -146,6 +146,44 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   return out.view(out_shape);
 }
 
+// The wgmma kernel, each W block on its group's columns of x, where groups
+// are whole 128-row W blocks and K whole k-tiles (DeepSeek-V4's o_a_proj),
+// up to kGroupedWgmmaMaxM tokens; otherwise the weight unpacked to x's
+// dtype and one batched matmul.
+at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                               const at::Tensor& weight_global, int64_t n_groups) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/true);
+  check_sm90(x, "nvfp4_grouped_linear");
+  c10::cuda::CUDAGuard guard(x.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t k = x.size(-1), n = weight.size(0) / n_groups;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const int64_t m = x.numel() / std::max<int64_t>(n_groups * k, 1);
+  if (x.numel() == 0 || k == 0) return at::zeros(out_shape, x.options());
+  auto w = contiguous_aligned(weight, 16);
+  auto s = contiguous_aligned(weight_scale, 16);
+  auto g = weight_global.contiguous();
+  at::Tensor x3 = contiguous_aligned(x, 16).view({m, n_groups, k});
+  if (n % gemm::kWgmmaBlockRows != 0 || k % gemm::kTileK != 0 || m > gemm::kGroupedWgmmaMaxM) {
+    at::Tensor wg = unpacked_cuda(w, s, g, k, x.scalar_type(), stream).view({n_groups, n, k});
+    return at::bmm(x3.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(out_shape);
+  }
+  at::Tensor out = at::empty({m, n_groups * n}, x.options());
+  gemm::LinearArgs a{};
+  a.x = x3.data_ptr();
+  a.dtype = to_lowbit_dtype(x.scalar_type());
+  a.weight = w.data_ptr<uint8_t>();
+  a.scale = s.data_ptr<uint8_t>();
+  a.global_scale = g.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.m = m;
+  a.n = n_groups * n;
+  a.k = k;
+  C10_CUDA_CHECK(gemm::grouped_linear_wgmma_cuda(a, n, stream));
+  return out.view(out_shape);
+}
+
 }  // namespace
 }  // namespace lowbit::ops
 
@@ -153,5 +191,6 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cuda);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cuda);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cuda);
+  m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cuda);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
 }

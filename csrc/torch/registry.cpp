@@ -67,6 +67,10 @@ TORCH_LIBRARY(lowbit, m) {
   // save a checkpoint; it runs on the host.
   m.def("nvfp4_prepack(Tensor weight, Tensor weight_scale) -> (Tensor, Tensor)");
   m.def("nvfp4_unprepack(Tensor weight, Tensor weight_scale, SymInt k) -> (Tensor, Tensor)");
+  // nvfp4_grouped_linear: the block-diagonal Linear (DeepSeek-V4's o_a_proj):
+  // x [..., G, K] -> [..., G, N / G], group g times weight rows [g N / G,
+  // (g + 1) N / G) (prepacked like nvfp4_linear's), times weight_global.
+  m.def("nvfp4_grouped_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, int n_groups) -> Tensor");
   m.def("nvfp4_unpack(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k, ScalarType dtype) -> Tensor");
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "

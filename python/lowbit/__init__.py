@@ -6,7 +6,7 @@ _load()
 
 from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
-from .linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack  # noqa: E402
+from .linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack  # noqa: E402
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
@@ -23,6 +23,7 @@ __all__ = [
     "load_checkpoint_",
     "load_pretrained",
     "nvfp4_dequantize",
+    "nvfp4_grouped_linear",
     "nvfp4_linear",
     "nvfp4_moe",
     "nvfp4_moe_prepack",

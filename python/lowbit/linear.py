@@ -105,3 +105,40 @@ def _linear_backward(ctx, grad_y: Tensor):
 
 
 torch.library.register_autograd("lowbit::nvfp4_linear", _linear_backward, setup_context=_linear_setup_context)
+
+
+def nvfp4_grouped_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, n_groups: int
+) -> Tensor:
+    """The block-diagonal Linear (DeepSeek-V4's ``o_a_proj``): x [..., G, K]
+    -> [..., G, N], y[..., g, :] = x[..., g, :] W_g^T * weight_global, W_g
+    rows [g N, (g + 1) N) of the weight [G N, K] (prepacked by
+    :func:`nvfp4_prepack`), G = ``n_groups``. Accumulates in FP32, rounds
+    once to x's dtype.
+
+    On CUDA, where N and K are multiples of 128, one wgmma kernel runs all
+    groups, each 128-row W block on its group's columns of x; otherwise the
+    weight is unpacked to x's dtype and one batched matmul runs. The CPU
+    kernel (the reference) unpacks to FP32. Differentiable in x, as
+    :func:`nvfp4_linear`."""
+    return torch.ops.lowbit.nvfp4_grouped_linear(x, weight, weight_scale, weight_global, n_groups)
+
+
+def _grouped_setup_context(ctx, inputs, output) -> None:
+    x, weight, weight_scale, weight_global, n_groups = inputs
+    ctx.save_for_backward(weight, weight_scale, weight_global)
+    ctx.k, ctx.n_groups = x.shape[-1], n_groups
+
+
+def _grouped_backward(ctx, grad_y: Tensor):
+    weight, weight_scale, weight_global = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        w = nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
+        grad_x = torch.einsum("...gn,gnk->...gk", grad_y, w.view(ctx.n_groups, -1, ctx.k))
+    return grad_x, None, None, None, None
+
+
+torch.library.register_autograd(
+    "lowbit::nvfp4_grouped_linear", _grouped_backward, setup_context=_grouped_setup_context
+)

@@ -171,7 +171,7 @@ def test_grouped_linear_computes_its_dequantized_blocks():
     with torch.no_grad():
         ref.weight.copy_(fake_quantized(ref.weight))
     # 30 rows: one nvfp4_linear over all groups, diagonal blocks kept;
-    # 600 rows: the weight unpacked to BF16 (rounded once more), a bmm.
+    # 600 rows: lowbit.nvfp4_grouped_linear (on the CPU its FP32 reference).
     assert mod.max_fused_rows < 600
     for shape in ((3, 5), (300,)):
         x = torch.randn(*shape, 2, hf.in_features).to(torch.bfloat16)

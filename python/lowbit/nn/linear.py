@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..linear import nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack
+from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unprepack
 from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
@@ -160,15 +160,16 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     Up to ``max_fused_rows`` rows of x (tokens times G) it runs as one
     nvfp4_linear over all groups, every token's G slices against the whole
     weight, and keeps the diagonal blocks: G times the products, but the
-    weight is read once, which is what decode is bound by. Above, the weight
-    is unpacked to x's dtype and the groups run as one batched matmul.
+    weight is read once, which is what decode is bound by. Above, it runs
+    :func:`lowbit.nvfp4_grouped_linear` (on CUDA one wgmma kernel, each
+    group on its own columns of x).
     """
 
     # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
-    # "Nvfp4GroupedLinear"): the fused form 2.48x BF16 at 8 rows, 1.14x at
-    # 128, 0.83x at 256, 0.54x at 512, 0.16x at 2048; the unpacked form
-    # 0.44-0.46x up to 512 rows, 0.50x at 2048, 0.85x at 16384.
-    max_fused_rows = 512
+    # "Nvfp4GroupedLinear" v3): the fused form 2.48x BF16 at 8 rows, 1.18x
+    # at 128, 0.85x at 256, 0.55x at 512; nvfp4_grouped_linear 0.80-0.82x
+    # up to 512 rows, 0.88-0.98x at 1024-2048.
+    max_fused_rows = 256
 
     def __init__(self, in_features: int, out_features: int, n_groups: int,
                  device: torch.device | str | None = None) -> None:
@@ -234,9 +235,7 @@ class Nvfp4GroupedLinear(KeepsDtypes):
             every = self.linear(rows).view(-1, g, g, n)  # [T, j, block, N]
             return every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(*lead, g, n)
         lin = self.linear
-        w = nvfp4_unpack(lin.weight, lin.weight_scale, lin.weight_global, k, x.dtype).view(g, n, k)
-        y = torch.bmm(rows.view(-1, g, k).transpose(0, 1), w.transpose(1, 2))  # [G, T, N]
-        return y.transpose(0, 1).reshape(*lead, g, n)
+        return nvfp4_grouped_linear(x, lin.weight, lin.weight_scale, lin.weight_global, g)
 
     def extra_repr(self) -> str:
         return f"n_groups={self.n_groups}, in_features={self.in_features}, out_features={self.out_features} per group"
