@@ -62,6 +62,23 @@ std::tuple<at::Tensor, at::Tensor> unprepack_cuda(const at::Tensor& weight, cons
   return {codes.to(weight.device()), scales.to(weight.device())};
 }
 
+// The fused kernels' arguments (no bias) for contiguous, aligned x, the
+// prepacked weight, its global and the output [m, n].
+gemm::LinearArgs fused_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
+                            at::Tensor& out, int64_t m, int64_t n, int64_t k) {
+  gemm::LinearArgs a{};
+  a.x = x.data_ptr();
+  a.dtype = to_lowbit_dtype(x.scalar_type());
+  a.weight = w.data_ptr<uint8_t>();
+  a.scale = s.data_ptr<uint8_t>();
+  a.global_scale = g.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  return a;
+}
+
 // The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/nvfp4_gemm_fp8.cu),
 // then cuBLASLt's FP8 GEMM with the row scales and the bias in its epilogue.
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
@@ -123,21 +140,12 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   at::Tensor out = at::empty({m, n}, x.options());
   at::Tensor workspace;
-  gemm::LinearArgs a{};
-  a.x = x2.data_ptr();
-  a.dtype = to_lowbit_dtype(x.scalar_type());
-  a.weight = w.data_ptr<uint8_t>();
-  a.scale = s.data_ptr<uint8_t>();
-  a.global_scale = g.data_ptr<float>();
+  gemm::LinearArgs a = fused_args(x2, w, s, g, out, m, n, k);
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
     a.bias = b.data_ptr();
   }
-  a.out = out.data_ptr();
-  a.m = m;
-  a.n = n;
-  a.k = k;
   if (plan.workspace_bytes > 0) {
     workspace = at::empty({plan.workspace_bytes}, x.options().dtype(at::kByte));
     a.workspace = workspace.data_ptr();
@@ -170,16 +178,7 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
     return at::bmm(x3.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(out_shape);
   }
   at::Tensor out = at::empty({m, n_groups * n}, x.options());
-  gemm::LinearArgs a{};
-  a.x = x3.data_ptr();
-  a.dtype = to_lowbit_dtype(x.scalar_type());
-  a.weight = w.data_ptr<uint8_t>();
-  a.scale = s.data_ptr<uint8_t>();
-  a.global_scale = g.data_ptr<float>();
-  a.out = out.data_ptr();
-  a.m = m;
-  a.n = n_groups * n;
-  a.k = k;
+  const gemm::LinearArgs a = fused_args(x3, w, s, g, out, m, n_groups * n, k);
   C10_CUDA_CHECK(gemm::grouped_linear_wgmma_cuda(a, n, stream));
   return out.view(out_shape);
 }
