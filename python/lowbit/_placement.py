@@ -101,7 +101,7 @@ def _to(value: object, device: torch.device) -> object:
         return value.to(device) if value.device != device else value
     if isinstance(value, (tuple, list)):
         moved = [_to(v, device) for v in value]
-        return type(value)(moved) if isinstance(value, list) or type(value) is tuple else type(value)(*moved)
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)  # namedtuples by field
     if isinstance(value, dict) and type(value) is dict:
         return {k: _to(v, device) for k, v in value.items()}
     return value

@@ -458,3 +458,17 @@ def test_unprepack_opcheck_and_bad_input():
         lowbit.nvfp4_unprepack(pw, ps, 100)
     with pytest.raises(ValueError, match=r"nvfp4_moe_unprepack: argument 'w13' must have shape \[2, 96, 128\]"):
         lowbit.nvfp4_moe_unprepack(*pm, 144, 48)
+
+
+def test_placement_moves_nested_inputs():
+    import collections
+
+    from lowbit import _placement
+
+    pair = collections.namedtuple("Pair", "a b")
+    meta = torch.device("meta")
+    moved = _placement._to((torch.ones(2), [torch.zeros(1)], pair(torch.ones(1), 2), torch.Size([2, 3]),
+                            {"x": torch.ones(1)}, "text"), meta)
+    assert moved[0].device == meta and moved[1][0].device == meta and isinstance(moved[1], list)
+    assert isinstance(moved[2], pair) and moved[2].a.device == meta and moved[2].b == 2
+    assert moved[3] == torch.Size([2, 3]) and moved[4]["x"].device == meta and moved[5] == "text"
