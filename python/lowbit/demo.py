@@ -1,7 +1,8 @@
 """python -m lowbit.demo: quantize a realistic weight to NVFP4, report its
-accuracy and size, run it as an NVFP4 Linear layer, and run a DeepSeek-style
-NVFP4 MoE layer (routed experts with the clamped SwiGLU); on a GPU also time
-the quantizer and the MoE.
+accuracy and size, run it as an NVFP4 Linear layer, run a DeepSeek-style
+NVFP4 MoE layer (routed experts with the clamped SwiGLU), and take a small
+transformers DeepSeek-V3 through quantize_, save_pretrained and
+load_pretrained; on a GPU also time the quantizer and the MoE.
 
 Runs on CPU; uses the GPU when one is present (or --device cuda).
 """
@@ -9,7 +10,9 @@ Runs on CPU; uses the GPU when one is present (or --device cuda).
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,7 +85,40 @@ def main(argv: list[str] | None = None) -> int:
         device,
         args.seed,
     )
+    checkpoint_demo(device, args.seed)
     return 0
+
+
+def checkpoint_demo(device: torch.device, seed: int) -> None:
+    """A small transformers DeepSeek-V3 (random weights) quantized in place,
+    saved as a ModelOpt NVFP4 checkpoint and loaded back."""
+    try:
+        import transformers
+    except ImportError:
+        print("transformers DeepSeek-V3 round trip: skipped (pip install transformers)")
+        return
+    config = transformers.DeepseekV3Config(
+        vocab_size=2048, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=256,
+        qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, n_routed_experts=16, n_group=4, topk_group=2,
+        num_experts_per_tok=4, n_shared_experts=1,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    bf16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = torch.randint(0, config.vocab_size, (2, 32), device=device)
+    with torch.no_grad():
+        lowbit.quantize_(model, progress=False)
+        quantized = model(ids).logits
+        with tempfile.TemporaryDirectory() as path:
+            lowbit.save_pretrained(model, path, progress=False)
+            saved_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+            loaded = lowbit.load_pretrained(path, device=device, progress=False)
+        reloaded = loaded(ids).logits
+    print(f"transformers DeepSeek-V3 ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{config.n_routed_experts} experts): lowbit.quantize_ -> save_pretrained -> load_pretrained")
+    print(f"  checkpoint {saved_bytes / 2**20:.1f} MiB (ModelOpt NVFP4) for {bf16_bytes / 2**20:.1f} MiB of BF16 weights; "
+          f"the loaded model's logits equal the quantized model's: {torch.equal(reloaded, quantized)}")
 
 
 def linear_demo(w: torch.Tensor, batch: int, device: torch.device) -> None:

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 import lowbit.demo
 
 
@@ -17,3 +19,6 @@ def test_demo_runs_on_cpu(capsys):
     # the MoE kernel reproduces the dequantized experts up to bf16 rounding
     kernel_err = float(re.search(r"relative error ([0-9.e+-]+) \(bf16 rounding", out).group(1))
     assert kernel_err < 5e-3, out
+    # a transformers model saved and loaded back computes the same logits
+    pytest.importorskip("transformers")
+    assert "the loaded model's logits equal the quantized model's: True" in out, out
