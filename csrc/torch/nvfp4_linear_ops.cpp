@@ -112,12 +112,16 @@ void check_unprepack(const at::Tensor& weight, const at::Tensor& weight_scale, c
   check_prepacked_weight(kUnprepack, weight, weight_scale, nullptr, k);
 }
 
+namespace {
+
 std::tuple<at::Tensor, at::Tensor> empty_unprepack_outputs(const at::Tensor& weight, const c10::SymInt& k) {
   auto opts = weight.options().dtype(at::kByte);
   return {at::empty_symint(c10::SymDimVector{weight.sym_size(0), k / 2}, opts),
           at::empty_symint(c10::SymDimVector{weight.sym_size(0), k / nvfp4::kBlockSize},
                            opts.dtype(at::kFloat8_e4m3fn))};
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
                                                    int64_t k) {

@@ -159,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_unprepack(const a
                     ": argument 'hidden_size' must be a positive multiple of 16, got ", h);
   TORCH_CHECK_VALUE(inter > 0 && inter % 16 == 0, "lowbit.", kMoeUnprepack,
                     ": argument 'intermediate_size' must be a positive multiple of 16, got ", inter);
-  const int64_t e = w13.size(0), hp = padded_k_sym(h).expect_int(), ip = padded_k_sym(inter).expect_int();
+  const int64_t e = w13.size(0), hp = nvfp4::gemm::padded_k(h), ip = nvfp4::gemm::padded_k(inter);
   check_shape(w13, c10::SymDimVector{e, 2 * inter, hp / 2}, kMoeUnprepack, "w13");
   check_shape(w13_scale, c10::SymDimVector{e, 2 * inter, hp / 16}, kMoeUnprepack, "w13_scale");
   check_shape(w2, c10::SymDimVector{e, h, ip / 2}, kMoeUnprepack, "w2");

@@ -36,6 +36,7 @@ import contextlib
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 
 from . import _placement
 from ._progress import progress_bar
+from .nn.linear import global_from_compressed_tensors
 
 # Leaf names of the NVFP4 tensors, by format; the first names the format.
 _MODELOPT = ("weight_scale_2", "weight", "weight_scale")
@@ -270,7 +272,7 @@ class _Nvfp4Tensors:
                                           "scale per tensor was expected"))
         global_ = global_.float().reshape(())
         if self.fmt == "compressed-tensors":
-            global_ = 1.0 / global_  # compressed-tensors stores 2688 / amax
+            global_ = global_from_compressed_tensors(global_)
         return weight, scale.view(torch.uint8), global_
 
 
@@ -515,8 +517,6 @@ def _finish(model: nn.Module, place: Callable[[str], torch.device], report: Load
     parameter was left unloaded, moves the rest (buffers the checkpoint
     does not hold) where ``place`` says and warns about unused keys and
     buffers left as the model made them."""
-    import warnings
-
     config = getattr(model, "config", None)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if getattr(config, "tie_word_embeddings", False) and isinstance(output, nn.Linear) \

@@ -27,6 +27,12 @@ from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
 
+def global_from_compressed_tensors(weight_global_scale: Tensor) -> Tensor:
+    """compressed-tensors' ``weight_global_scale`` (2688 / amax) as the
+    global scale lowbit and ModelOpt use (amax / 2688), float32."""
+    return 1.0 / weight_global_scale.float()
+
+
 class Nvfp4Linear(KeepsDtypes):
     def __init__(
         self,
@@ -96,7 +102,8 @@ class Nvfp4Linear(KeepsDtypes):
         cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Tensor | None = None
     ) -> "Nvfp4Linear":
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
-        return cls.from_checkpoint(weight_packed, weight_scale, 1.0 / weight_global_scale.float(), bias)
+        return cls.from_checkpoint(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale),
+                                   bias)
 
     def to_modelopt(self) -> dict[str, Tensor]:
         """The layer as NVIDIA ModelOpt checkpoint tensors (the inverse of
