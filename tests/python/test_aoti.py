@@ -71,7 +71,23 @@ def inputs(name, m, gen, device):
 
 
 def runner_path() -> Path:
-    return lowbit._library.library_path().with_name("lowbit_aoti_runner")
+    """The C++ runner, or a skip (a failure under CI, which builds it)."""
+    runner = lowbit._library.library_path().with_name("lowbit_aoti_runner")
+    if not runner.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{runner} was not built (CMake option LOWBIT_BUILD_EXAMPLES)")
+        pytest.skip(f"{runner} not built (a pip install builds no examples)")
+    return runner
+
+
+def run_from_cpp(package: Path, args, tmp_path: Path) -> tuple:
+    """The package's outputs for args, computed by the C++ runner."""
+    torch.save([a.cpu() for a in args], tmp_path / "in.pt")
+    run = subprocess.run([str(runner_path()), str(lowbit._library.library_path()), str(package),
+                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return torch.load(tmp_path / "out.pt")
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -114,21 +130,12 @@ def test_package_runs_in_python(packages, name):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_package_runs_from_cpp(packages, name, tmp_path):
-    runner = runner_path()
-    if not runner.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"{runner} was not built (CMake option LOWBIT_BUILD_EXAMPLES)")
-        pytest.skip(f"{runner} not built (a pip install builds no examples)")
     device, built = packages
     model, path = built[name]
     gen = torch.Generator().manual_seed(13)
     for m in (5, 40):
         args = inputs(name, m, gen, device)
-        torch.save([a.cpu() for a in args], tmp_path / "in.pt")
-        run = subprocess.run([str(runner), str(lowbit._library.library_path()), str(path), str(tmp_path / "in.pt"),
-                              str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-4000:]
-        (got,) = torch.load(tmp_path / "out.pt")
+        (got,) = run_from_cpp(path, args, tmp_path)
         with torch.no_grad():
             want = model(*args).cpu()
         assert torch.equal(got, want), (name, m)
@@ -137,8 +144,6 @@ def test_package_runs_from_cpp(packages, name, tmp_path):
 
 def test_runner_reports_a_missing_op_library(packages, tmp_path):
     runner = runner_path()
-    if not runner.is_file():
-        pytest.skip(f"{runner} not built")
     _, built = packages
     run = subprocess.run([str(runner), str(tmp_path / "missing.so"), str(built["linear"][1]), "in.pt", "out.pt"],
                          capture_output=True, text=True, timeout=60)

@@ -21,6 +21,7 @@ from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny_models import VOCAB, build, devices, rel  # noqa: E402
+from test_aoti import run_from_cpp  # noqa: E402
 
 # family -> (Nvfp4Linear layers, Nvfp4MoE blocks, Nvfp4GroupedLinear layers) after quantize_
 COUNTS = {
@@ -114,6 +115,49 @@ def test_quantized_model_compiles_in_one_graph(family, device):
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.equal(compiled(ids).logits, model(ids).logits)
+
+
+class Logits(torch.nn.Module):
+    """input ids -> logits, without a cache: the graph a package holds."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("family", sorted(COUNTS))
+def test_quantized_model_in_an_aoti_package(family, device, tmp_path):
+    """The whole quantized model exported with a dynamic sequence length,
+    compiled by AOTInductor into a package and run from Python and from the
+    C++ runner (test_aoti.py). Inductor fuses the model's own ops otherwise
+    than eager, so the bound is the eager model's above: within 1.5x of the
+    dequantized model's own BF16 error against its FP32 output (measured on
+    the CPU: 0.97-1.05 times that error). The C++ runner runs the package's
+    compiled code as Python's loader does: bit for bit."""
+    model = build(family, device)
+    ref = dequantized_copy(model)
+    quantized = Logits(lowbit.quantize_(model, progress=False))
+    ids = torch.randint(0, VOCAB, (2, 12), device=device)
+    with torch.no_grad():
+        exported = torch.export.export(quantized, (ids,),
+                                       dynamic_shapes=({1: torch.export.Dim("seq", min=2, max=64)},))
+    path = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "model.pt2"))
+    package = torch._inductor.aoti_load_package(path)
+    for n in (5, 24):
+        ids = torch.randint(0, VOCAB, (2, n), device=device)
+        with torch.no_grad():
+            got = package(ids)
+            want = copy.deepcopy(ref).float()(ids).logits
+            bf16_noise = rel(ref(ids).logits, want)
+        assert got.shape == (2, n, VOCAB)
+        assert 0 < bf16_noise < 0.1
+        assert rel(got, want) <= 1.5 * bf16_noise, (n, rel(got, want), bf16_noise)
+        (from_cpp,) = run_from_cpp(path, (ids,), tmp_path)
+        assert torch.equal(from_cpp, got.cpu())
 
 
 @pytest.mark.cuda
