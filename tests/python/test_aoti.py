@@ -7,7 +7,8 @@ token count, compiled ahead of time into a package (.pt2) and run
 
 each bit for bit as the eager model. AOTInductor has no C shim for lowbit's
 operators: it calls them through the dispatcher by name, so this also checks
-that every argument kind of their schemas survives that path.
+that the arguments of the ops these models call (optional tensors, ints,
+floats, strings, an optional float) survive that path.
 """
 
 from __future__ import annotations
@@ -148,4 +149,3 @@ def test_runner_reports_a_missing_op_library(packages, tmp_path):
     run = subprocess.run([str(runner), str(tmp_path / "missing.so"), str(built["linear"][1]), "in.pt", "out.pt"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "cannot load the op library" in run.stderr, run.stderr
-
