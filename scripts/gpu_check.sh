@@ -7,6 +7,9 @@
 #   bash scripts/gpu_check.sh                       everything
 #   TESTS="tests/python/test_x.py" SUITES="quant" bash scripts/gpu_check.sh
 #   SUITES="" ...          skip benchmarks;  BENCH_ARGS=--quick  fewer shapes
+# The whole GPU test suite runs longer than one 10-minute device call (about
+# 60% of it in 8 minutes on an H200, session 36): give TESTS a part of it per
+# call. tests.log ends with the slowest tests, to plan the parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -37,7 +40,7 @@ summary+=("build: ok in $(( $(date +%s) - start )) s")
 
 start=$(date +%s)
 # shellcheck disable=SC2086
-bash run.sh test -q -p no:cacheprovider $TESTS >"$OUT/tests.log" 2>&1
+bash run.sh test -q -p no:cacheprovider --durations=15 $TESTS >"$OUT/tests.log" 2>&1
 rc=$?
 summary+=("tests: rc=$rc in $(( $(date +%s) - start )) s: $(grep -E '^[0-9]+ (passed|failed)|[0-9]+ passed|tests passed' "$OUT/tests.log" | tail -2 | tr '\n' ' ')")
 if [[ $rc -ne 0 ]]; then
