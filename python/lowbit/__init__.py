@@ -1,6 +1,6 @@
 """lowbit: low-precision (NVFP4, FP8) transformer kernels as PyTorch operators."""
 
-from ._library import build_info, has_cuda_kernels, load as _load
+from ._library import build_info, has_cuda_kernels, load as _load, ops_library_path
 
 _load()
 
@@ -32,6 +32,7 @@ __all__ = [
     "nvfp4_quantize",
     "nvfp4_unpack",
     "nvfp4_unprepack",
+    "ops_library_path",
     "route",
     "topk",
     "quantize_",

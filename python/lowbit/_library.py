@@ -41,6 +41,14 @@ def load() -> str:
     return _loaded_path
 
 
+def ops_library_path() -> str:
+    """The op library (liblowbit_ops.so) this process loaded: what a C++
+    program must load (dlopen) before it runs an AOTInductor package of a
+    lowbit model, since the package calls lowbit's ops by name. An
+    absolute path, links resolved."""
+    return str(Path(load()).resolve())
+
+
 def build_info() -> dict[str, str]:
     """Build flags of the loaded library, e.g. {'cuda': '1', 'arch': 'sm_90a'}."""
     return dict(item.split("=", 1) for item in torch.ops.lowbit.build_info().split())

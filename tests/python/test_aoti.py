@@ -73,7 +73,7 @@ def inputs(name, m, gen, device):
 
 def runner_path() -> Path:
     """The C++ runner, or a skip (a failure under CI, which builds it)."""
-    runner = lowbit._library.library_path().with_name("lowbit_aoti_runner")
+    runner = Path(lowbit.ops_library_path()).with_name("lowbit_aoti_runner")
     if not runner.is_file():
         if os.environ.get("CI"):
             pytest.fail(f"{runner} was not built (CMake option LOWBIT_BUILD_EXAMPLES)")
@@ -84,7 +84,7 @@ def runner_path() -> Path:
 def run_from_cpp(package: Path, args, tmp_path: Path) -> tuple:
     """The package's outputs for args, computed by the C++ runner."""
     torch.save([a.cpu() for a in args], tmp_path / "in.pt")
-    run = subprocess.run([str(runner_path()), str(lowbit._library.library_path()), str(package),
+    run = subprocess.run([str(runner_path()), lowbit.ops_library_path(), str(package),
                           str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

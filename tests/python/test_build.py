@@ -29,3 +29,10 @@ def test_op_library_does_not_link_libpython():
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
     assert any(n.startswith("libc10") for n in needed), needed  # the parse found the entries
     assert not [n for n in needed if "python" in n.lower()], needed
+
+
+def test_ops_library_path_is_the_loaded_library():
+    path = lowbit.ops_library_path()
+    assert path.endswith("liblowbit_ops.so")
+    with open("/proc/self/maps") as maps:  # mapped into this process, not just present on disk
+        assert any(line.rstrip().endswith(path) for line in maps), path
