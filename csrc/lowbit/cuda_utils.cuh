@@ -24,20 +24,36 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Loads 8 consecutive elements starting at p (16-byte aligned for 16-bit
-// types, 32-byte aligned for float) and widens them to float.
+// Module state: a kernel parameter pointing at data that no kernel writes
+// while a chain of dependent launches runs (weights, block and global
+// scales, bias: written when loaded). A kernel launched with
+// launch_dependent overlaps the grid before it, whatever that grid is, so
+// it may read non-coherently (__ldg, load8, a const __restrict__ pointer)
+// only through a ReadOnly parameter; every other pointer it reads (x, ids,
+// work items, partials, workspaces) it reads after wait_for_previous_grid()
+// with coherent loads: plain dereferences of pointers without __restrict__,
+// load8_coherent, cp.async, TMA. scripts/check_dependent_loads.py checks
+// the SASS (docs/ARCHITECTURE.md, "Chained kernels").
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
+struct ReadOnly {
+  const T* ptr;
+  ReadOnly() = default;
+  LOWBIT_HD ReadOnly(const T* p) : ptr(p) {}  // NOLINT: converts like the pointer it replaces
+  LOWBIT_HD operator const T*() const { return ptr; }
+  LOWBIT_HD const T* get() const { return ptr; }
+};
+
+namespace detail {
+template <typename T>
+__device__ __forceinline__ void widen8(const uint4& v, float (&out)[8]) {
   static_assert(sizeof(T) == 2, "16-bit element types");
-  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
   const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
 }
 // bf16 widens by a shift: one integer op per element.
 template <>
-__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float (&out)[8]) {
-  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void widen8<__nv_bfloat16>(const uint4& v, float (&out)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -45,12 +61,33 @@ __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, flo
     out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
   }
 }
-template <>
-__device__ __forceinline__ void load8<float>(const float* p, float (&out)[8]) {
-  float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+__device__ __forceinline__ void widen8(const float4& a, const float4& b, float (&out)[8]) {
   out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
   out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+}  // namespace detail
+
+// Loads 8 consecutive elements starting at p (16-byte aligned for 16-bit
+// types, 32-byte aligned for float) and widens them to float. Non-coherent
+// (__ldg): only for data no grid writes while the kernel runs (see ReadOnly).
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
+  detail::widen8<T>(__ldg(reinterpret_cast<const uint4*>(p)), out);
+}
+template <>
+__device__ __forceinline__ void load8<float>(const float* p, float (&out)[8]) {
+  detail::widen8(__ldg(reinterpret_cast<const float4*>(p)), __ldg(reinterpret_cast<const float4*>(p) + 1), out);
+}
+// load8 with a coherent load (plain ld.global), for data a previous grid may
+// have written. p must not derive from a const __restrict__ kernel
+// parameter, from which the compiler may make the load non-coherent again.
+template <typename T>
+__device__ __forceinline__ void load8_coherent(const T* p, float (&out)[8]) {
+  detail::widen8<T>(*reinterpret_cast<const uint4*>(p), out);
+}
+template <>
+__device__ __forceinline__ void load8_coherent<float>(const float* p, float (&out)[8]) {
+  detail::widen8(reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1], out);
 }
 
 template <typename T>

@@ -28,9 +28,12 @@ constexpr int64_t kTeamMaxTokens = 256;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
+// A plain (coherent) load: the logits may be the output of the kernel
+// before this one, still running while this one starts (launch_dependent),
+// which a non-coherent load (__ldg) may not see even after the wait.
 template <typename T>
 __device__ __forceinline__ float load_logit(const T* p) {
-  return cuda::to_float(__ldg(p));
+  return cuda::to_float(*p);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -446,8 +449,8 @@ __device__ __forceinline__ void route_token_fast(const T* row, int32_t splits, i
 // W = 1: four tokens per CTA, a warp each. W = kWarpsPerBlock: a token per CTA.
 template <int EPT, int W, typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    route_fast_kernel(const T* __restrict__ logits, int32_t splits, const float* __restrict__ bias, int64_t tokens,
-                      Params p, float* __restrict__ weights, int32_t* __restrict__ ids) {
+    route_fast_kernel(const T* logits, int32_t splits, cuda::ReadOnly<float> bias, int64_t tokens, Params p,
+                      float* __restrict__ weights, int32_t* __restrict__ ids) {
   constexpr int kTeams = kWarpsPerBlock / W;
   __shared__ TeamSmem<W> smem[kTeams];
   const int team = W == 1 ? int(threadIdx.x >> 5) : 0;
