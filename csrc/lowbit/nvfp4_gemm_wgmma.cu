@@ -39,7 +39,9 @@ struct LinearProblem {
   }
   // y[token][o..o + 7] = sum * global * 2^8 + bias for tokens [r0, r1) of the tile.
   __device__ __forceinline__ void store(const wgmma::DumpView<NT>& dump, const wgmma::Tile& t, int r0, int r1) const {
-    const float gs = __ldg(global_scale) * kDecodeUnscale;
+    // A plain load: the problem is one by-value parameter that also holds x's
+    // pointer, so only coherent loads may read through it.
+    const float gs = *global_scale * kDecodeUnscale;
     const int64_t n0 = int64_t(blockIdx.y) * kBN;
     for (int e = threadIdx.x; e < (r1 - r0) * (kBN / 8); e += 256) {
       const int r = r0 + e / (kBN / 8), c = 8 * (e % (kBN / 8));

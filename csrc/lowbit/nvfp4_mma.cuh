@@ -128,7 +128,9 @@ struct Stage {
 // problem's end point at a valid row whose results the epilogue never
 // stores) at column 4 t, computed once per kernel, so a full tile's 8
 // activation loads need no address arithmetic or predicates. Only a partial
-// last tile (K not a multiple of 128) checks columns.
+// last tile (K not a multiple of 128) checks columns. W and its scales are
+// module state (non-coherent loads); x may be the previous grid's output, so
+// its loads are plain (coherent): see cuda::ReadOnly.
 template <typename T, int MT>
 __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restrict__ wtile,
                                            const uint4* __restrict__ stile, const T* const (&xrow)[MT],
@@ -140,14 +142,14 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restric
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int kt = 0; kt < 8; ++kt) st.x[mt][kt] = __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16));
+      for (int kt = 0; kt < 8; ++kt) st.x[mt][kt] = *reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16);
   } else {
     const int t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt)
-        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k ? __ldg(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16))
+        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k ? *reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16)
                                                   : make_uint2(0, 0);
   }
 }

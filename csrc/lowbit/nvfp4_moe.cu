@@ -89,7 +89,7 @@ __device__ __forceinline__ AlignCounts warp_inclusive_scan(AlignCounts c, int la
 // num_items[1]); every other expert gets items of `chunk` rows in items
 // (num_items[0]). hot_above >= M: no hot list.
 __global__ void __launch_bounds__(kAlignThreads)
-    moe_align_kernel(const int32_t* __restrict__ ids, int64_t slots, int64_t k, int experts, int chunk,
+    moe_align_kernel(const int32_t* ids, int64_t slots, int64_t k, int experts, int chunk,
                      int hot_above, int hot_chunk, int32_t* __restrict__ slot_pos, int32_t* __restrict__ sorted_token,
                      Item* __restrict__ items, Item* __restrict__ hot_items, int32_t* __restrict__ num_items) {
   extern __shared__ int32_t count[];  // [experts]: rows per expert, then each expert's first row
@@ -312,8 +312,8 @@ __device__ __forceinline__ void up_item(Smem& smem, const Item& it, const T* __r
 // memory W TP stream_warp_bytes(kStreamRows), one token.
 template <typename T, int W, int TP, bool kStream>
 __global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>)) moe_up_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
-    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    const T* x, const int32_t* sorted_token, const WorkList work,
+    cuda::ReadOnly<uint8_t> w13, cuda::ReadOnly<uint8_t> s13, cuda::ReadOnly<float> g13,
     T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   cuda::wait_for_previous_grid();  // the items (direct: the ids)
   // From here the items are final: the down kernel may start (once every
@@ -351,8 +351,8 @@ __device__ __forceinline__ void down_item(Smem& smem, const Item& it, const T* _
 // grid: (H / (16 TP), work items upper bound); kStream as the up kernel.
 template <typename T, int W, int TP, bool kStream>
 __global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>)) moe_down_kernel(
-    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
-    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
+    const T* act, const WorkList work, cuda::ReadOnly<uint8_t> w2, cuda::ReadOnly<uint8_t> s2,
+    cuda::ReadOnly<float> g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
   cuda::allow_dependent_launch();
   const int64_t ntiles = h / 16;
   // While the up kernel drains, the first k-tiles of this CTA's W tiles go
@@ -458,8 +458,8 @@ __device__ __forceinline__ void down_wide_item(const Item& it, const T* __restri
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work,
-    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    const T* x, const int32_t* sorted_token, const WorkList work,
+    cuda::ReadOnly<uint8_t> w13, cuda::ReadOnly<uint8_t> s13, cuda::ReadOnly<float> g13,
     T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   cuda::wait_for_previous_grid();  // the items
   cuda::allow_dependent_launch();
@@ -469,8 +469,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_wide_kernel(
 
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
-    const T* __restrict__ act, const WorkList work, const uint8_t* __restrict__ w2, const uint8_t* __restrict__ s2,
-    const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
+    const T* act, const WorkList work, cuda::ReadOnly<uint8_t> w2, cuda::ReadOnly<uint8_t> s2,
+    cuda::ReadOnly<float> g2, T* __restrict__ expert_out, int64_t h, int64_t inter) {
   cuda::allow_dependent_launch();
   cuda::wait_for_previous_grid();  // h
   Item it;
@@ -503,8 +503,8 @@ __device__ __forceinline__ bool fetch_mixed(const WorkList& work, const WorkList
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) moe_up_mixed_kernel(
-    const T* __restrict__ x, const int32_t* __restrict__ sorted_token, const WorkList work, const WorkList hot,
-    const uint8_t* __restrict__ w13, const uint8_t* __restrict__ s13, const float* __restrict__ g13,
+    const T* x, const int32_t* sorted_token, const WorkList work, const WorkList hot,
+    cuda::ReadOnly<uint8_t> w13, cuda::ReadOnly<uint8_t> s13, cuda::ReadOnly<float> g13,
     T* __restrict__ act, int64_t h, int64_t inter, bool has_limit, float limit) {
   cuda::wait_for_previous_grid();  // the items
   cuda::allow_dependent_launch();  // as moe_up_kernel
@@ -525,8 +525,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_up_mixed_kernel(
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) moe_down_mixed_kernel(
-    const T* __restrict__ act, const WorkList work, const WorkList hot, const uint8_t* __restrict__ w2,
-    const uint8_t* __restrict__ s2, const float* __restrict__ g2, T* __restrict__ expert_out, int64_t h,
+    const T* act, const WorkList work, const WorkList hot, cuda::ReadOnly<uint8_t> w2,
+    cuda::ReadOnly<uint8_t> s2, cuda::ReadOnly<float> g2, T* __restrict__ expert_out, int64_t h,
     int64_t inter) {
   cuda::allow_dependent_launch();
   // As moe_down_kernel: the first k-tiles of the warp's W tile go into L2
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_mixed_kernel(
 // x_sorted[slot_pos[i]] = x[i / k] for every valid slot i; grid: slots,
 // 8 columns per thread.
 template <typename T>
-__global__ void __launch_bounds__(128) moe_sort_x_kernel(const T* __restrict__ x, const int32_t* __restrict__ slot_pos,
+__global__ void __launch_bounds__(128) moe_sort_x_kernel(const T* x, const int32_t* slot_pos,
                                                           int64_t k, int64_t h, T* __restrict__ x_sorted) {
   cuda::allow_dependent_launch();
   cuda::wait_for_previous_grid();  // slot_pos (align); x_sorted's buffer is free
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(128) moe_sort_x_kernel(const T* __restrict__ x
   if (pos < 0) return;
   const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * h);
   uint4* dst = reinterpret_cast<uint4*>(x_sorted + int64_t(pos) * h);
-  for (int64_t c = threadIdx.x; c < h / 8; c += blockDim.x) dst[c] = __ldg(src + c);
+  for (int64_t c = threadIdx.x; c < h / 8; c += blockDim.x) dst[c] = src[c];  // coherent: x may be the previous grid's
 }
 
 // The work item blockIdx.z (items final once the previous kernel is done:
@@ -606,7 +606,9 @@ struct MoeUpProblem {
   __device__ __forceinline__ bool tile(gemm::wgmma::Tile& t) const { return moe_wgmma_tile(work, 2 * inter / 16, t); }
   __device__ __forceinline__ void store(const gemm::wgmma::DumpView<NT>& dump, const gemm::wgmma::Tile& t, int r0,
                                         int r1) const {
-    const float gs = __ldg(g13 + t.group) * kDecodeUnscale;
+    // A plain load: the problem is one by-value parameter that also holds
+    // previous-grid pointers, so only coherent loads may read through it.
+    const float gs = g13[t.group] * kDecodeUnscale;
     constexpr int kTiles = gemm::wgmma::kBN / 16;
     r1 = min(r1, t.rows);
     for (int e = threadIdx.x; e < (r1 - r0) * kTiles; e += 256) {
@@ -634,7 +636,9 @@ struct MoeDownProblem {
   __device__ __forceinline__ bool tile(gemm::wgmma::Tile& t) const { return moe_wgmma_tile(work, h / 16, t); }
   __device__ __forceinline__ void store(const gemm::wgmma::DumpView<NT>& dump, const gemm::wgmma::Tile& t, int r0,
                                         int r1) const {
-    const float gs = __ldg(g2 + t.group) * kDecodeUnscale;
+    // A plain load: the problem is one by-value parameter that also holds
+    // previous-grid pointers, so only coherent loads may read through it.
+    const float gs = g2[t.group] * kDecodeUnscale;
     constexpr int kChunks = gemm::wgmma::kBN / 8;
     r1 = min(r1, t.rows);
     for (int e = threadIdx.x; e < (r1 - r0) * kChunks; e += 256) {
@@ -656,10 +660,10 @@ struct MoeDownProblem {
 // loaded kCombineBatch at a time so their latencies overlap.
 constexpr int kCombineThreads = 128, kCombineCols = 8 * kCombineThreads, kCombineBatch = 8;
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* __restrict__ expert_out,
-                                                                      const int32_t* __restrict__ slot_pos,
-                                                                      const int32_t* __restrict__ ids, int experts,
-                                                                      const float* __restrict__ weights, int64_t k,
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* expert_out,
+                                                                      const int32_t* slot_pos,
+                                                                      const int32_t* ids, int experts,
+                                                                      const float* weights, int64_t k,
                                                                       int64_t h, T* __restrict__ out) {
   cuda::allow_dependent_launch();
   cuda::wait_for_previous_grid();
@@ -683,7 +687,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* _
     }
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j)
-      if (pos[j] >= 0) cuda::load8(expert_out + int64_t(pos[j]) * h + c, v[j]);
+      if (pos[j] >= 0) cuda::load8_coherent(expert_out + int64_t(pos[j]) * h + c, v[j]);  // the down kernel's
 #pragma unroll
     for (int j = 0; j < kCombineBatch; ++j)
       if (pos[j] >= 0)
