@@ -18,7 +18,7 @@ struct PrepackArgs {
   const uint8_t* block_scale;  // [N, K/16] E4M3 codes
   int64_t n, k;                // n % 16 == 0, k % 16 == 0
   uint8_t* weight;             // [N, Kp/2]
-  uint8_t* scale;              // [N, Kp/16]
+  uint8_t* scale;              // [N, Kp/16] written (the tensor's trailing bytes are the binding's)
 };
 
 // Prepacked layout -> dequantized [N, K] (e2m1 * block scale * global).

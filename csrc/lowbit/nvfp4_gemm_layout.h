@@ -4,7 +4,16 @@
 // Checkpoint layout: codes uint8 [N, K/2] (element 2j low nibble), E4M3 block
 // scales [N, K/16]. Prepacked layout (the same on every device, so a module
 // can move between CPU and GPU):
-//   weight uint8 [N, Kp/2], scale uint8 [N, Kp/16], Kp = K rounded up to 128.
+//   weight uint8 [N, Kp/2], scale uint8 [N, (2 Kp - K)/16], Kp = K rounded up
+//   to 128.
+// The scale tensor's N Kp/16 leading bytes are the tiles' scales; after them
+// come N (Kp - K)/16 bytes (one per row and padding block; value: the
+// padding scale, read by nothing) whose only purpose is that the shapes
+// record K: Kp/2 weight columns and S scale columns give K = 128 (S / 8) -
+// 16 (S % 8) (prepacked_k below). Kernels index both buffers by tile from
+// their start and never read the trailing bytes. Prepacked scales from
+// before this record ([N, Kp/16]) only carry Kp; python/lowbit/nn/linear.py
+// converts them when a state dict is loaded.
 // Both are sequences of tiles of 16 rows (n) x 128 columns (k), tile
 // (nt, kc) at tile index nt * (Kp / 128) + kc: 1024 bytes of codes and 128
 // bytes of scales, so a warp reads one tile with 16-byte coalesced loads.
@@ -47,6 +56,10 @@ constexpr int kTileScaleBytes = kTileN * kTileK / 16;   // 128
 constexpr float kDecodeUnscale = 256.0f;                // 2^8, applied with the global scale
 
 LOWBIT_HD int64_t padded_k(int64_t k) { return (k + kTileK - 1) / kTileK * kTileK; }
+// Columns of the prepacked scale tensor for K (see the header comment), and
+// the K that S scale columns record.
+LOWBIT_HD int64_t prepacked_scale_cols(int64_t k) { return (2 * padded_k(k) - k) / 16; }
+LOWBIT_HD int64_t prepacked_k(int64_t scale_cols) { return kTileK * (scale_cols / 8) - 16 * (scale_cols % 8); }
 
 // Bit positions of a code in a lane word: (magnitude bit 0, sign bit) for
 // register r, half h (h = 0: the lower logical column).

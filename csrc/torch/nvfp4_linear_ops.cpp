@@ -38,10 +38,25 @@ void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale) {
 }
 
 std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weight) {
-  const c10::SymInt kp = padded_k_sym(weight.sym_size(1) * 2);
+  const c10::SymInt k = weight.sym_size(1) * 2;
+  const c10::SymInt kp = padded_k_sym(k);
   auto opts = weight.options().dtype(at::kByte);
-  return {at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / 2}, opts),
-          at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, opts)};
+  at::Tensor w = at::empty_symint(c10::SymDimVector{weight.sym_size(0), kp / 2}, opts);
+  at::Tensor s = at::empty_symint(c10::SymDimVector{weight.sym_size(0), prepacked_scale_cols_sym(k)}, opts);
+  if (!s.is_meta()) {
+    // The bytes after the tiles, which record K: the padding scale (1.0).
+    const int64_t tiles_bytes = weight.size(0) * (nvfp4::gemm::padded_k(k.expect_int()) / nvfp4::kBlockSize);
+    at::Tensor tail = s.view(-1).narrow(0, tiles_bytes, s.numel() - tiles_bytes);
+    if (tail.numel() > 0) tail.fill_(static_cast<int64_t>(nvfp4::gemm::encode_scale(0x38).byte));
+  }
+  return {w, s};
+}
+
+at::Tensor prepacked_scale_tiles(const at::Tensor& weight_scale, const c10::SymInt& k) {
+  const c10::SymInt cols = padded_k_sym(k) / nvfp4::kBlockSize;
+  return weight_scale.view_symint(c10::SymDimVector{-1})
+      .narrow_symint(0, 0, weight_scale.sym_size(0) * cols)
+      .view_symint(c10::SymDimVector{weight_scale.sym_size(0), cols});
 }
 
 nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -71,24 +86,59 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 
 namespace {
 
-// The prepacked weight [N, Kp/2] uint8, its scales [N, Kp/16] uint8 and
-// (unless null) the global [] float32 for K (Kp = K rounded up to 128), for
-// op `op`.
+// The K recorded by the shapes of a prepacked weight [N, Kp/2] and scales
+// [N, (2 Kp - K)/16] (nvfp4_gemm_layout.h), or -1 where the shapes are not
+// such a pair (or are symbolic). Both 2-D.
+int64_t recorded_k(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  const auto n = weight.sym_size(0).maybe_as_int(), w_cols = weight.sym_size(1).maybe_as_int();
+  const auto s_rows = weight_scale.sym_size(0).maybe_as_int(), s_cols = weight_scale.sym_size(1).maybe_as_int();
+  if (!n || !w_cols || !s_rows || !s_cols || *n != *s_rows) return -1;
+  const int64_t k = nvfp4::gemm::prepacked_k(*s_cols);
+  if (k < 0 || nvfp4::gemm::prepacked_scale_cols(k) != *s_cols || nvfp4::gemm::padded_k(k) / 2 != *w_cols) return -1;
+  return k;
+}
+
+// The prepacked weight [N, Kp/2] uint8, its scales [N, (2 Kp - K)/16] uint8
+// and (unless null) the global [] float32 for K (Kp = K rounded up to 128),
+// for op `op`. K is x's last dimension (x not null) or the argument 'k',
+// which also takes scales [N, Kp/16] of the earlier format (no record of K).
 void check_prepacked_weight(const char* op, const at::Tensor& weight, const at::Tensor& weight_scale,
-                            const at::Tensor* weight_global, const c10::SymInt& k) {
+                            const at::Tensor* weight_global, const c10::SymInt& k, const at::Tensor* x) {
   check_dtype(weight, op, "weight", {at::kByte});
   check_dims(weight, op, "weight", {2});
   check_dtype(weight_scale, op, "weight_scale", {at::kByte});
   check_dims(weight_scale, op, "weight_scale", {2});
   if (weight_global != nullptr) check_dtype(*weight_global, op, "weight_global", {at::kFloat});
-  const c10::SymInt kp = padded_k_sym(k);
   TORCH_CHECK_VALUE(weight.sym_size(0) % nvfp4::gemm::kTileN == 0, "lowbit.", op,
                     ": argument 'weight' must have a first dimension (N) divisible by 16, got shape ",
                     weight.sym_sizes());
-  TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", op,
-                    ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k, ", i.e. have shape [N, ",
-                    kp / 2, "], got ", weight.sym_sizes());
-  check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), kp / nvfp4::kBlockSize}, op, "weight_scale");
+  const c10::SymInt kp = padded_k_sym(k);
+  const c10::SymInt cols = prepacked_scale_cols_sym(k);
+  const bool fits = weight.sym_size(1) == kp / 2 && weight_scale.sym_size(0) == weight.sym_size(0) &&
+                    (weight_scale.sym_size(1) == cols ||
+                     (x == nullptr && weight_scale.sym_size(1) == kp / nvfp4::kBlockSize));
+  if (!fits) {
+    const int64_t recorded = recorded_k(weight, weight_scale);
+    if (recorded >= 0 && x != nullptr) {
+      // An earlier format's scales [N, Kp/16] read as K = Kp.
+      const auto xk = k.maybe_as_int();
+      const bool earlier = xk && *xk % nvfp4::gemm::kTileK != 0 && nvfp4::gemm::padded_k(*xk) == recorded;
+      TORCH_CHECK_VALUE(false, "lowbit.", op, ": argument 'x' must have K = ", recorded,
+                        " columns (the K 'weight' and 'weight_scale' were prepacked for), got shape ", x->sym_sizes(),
+                        earlier ? "; if the weight was prepacked by an earlier lowbit, whose weight_scale [N, Kp/16] "
+                                  "does not record K, prepack it again (lowbit.nvfp4_prepack) or load the state dict "
+                                  "into an Nvfp4Linear, which converts it"
+                                : "");
+    }
+    if (recorded >= 0) {
+      TORCH_CHECK_VALUE(false, "lowbit.", op, ": argument 'k' must be the K the weight was prepacked for (", recorded,
+                        "), got ", k);
+    }
+    TORCH_CHECK_VALUE(weight.sym_size(1) == kp / 2, "lowbit.", op,
+                      ": argument 'weight' must be prepacked (lowbit.nvfp4_prepack) for K = ", k,
+                      ", i.e. have shape [N, ", kp / 2, "], got ", weight.sym_sizes());
+    check_shape(weight_scale, c10::SymDimVector{weight.sym_size(0), cols}, op, "weight_scale");
+  }
   if (weight_global != nullptr) check_shape(*weight_global, c10::SymDimVector{}, op, "weight_global");
 }
 
@@ -102,14 +152,14 @@ void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, cons
                     ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
   check_same_device(weight_scale, weight, kUnpack, "weight_scale", "weight");
   check_same_device(weight_global, weight, kUnpack, "weight_global", "weight");
-  check_prepacked_weight(kUnpack, weight, weight_scale, &weight_global, k);
+  check_prepacked_weight(kUnpack, weight, weight_scale, &weight_global, k, nullptr);
 }
 
 void check_unprepack(const at::Tensor& weight, const at::Tensor& weight_scale, const c10::SymInt& k) {
   TORCH_CHECK_VALUE(k >= 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kUnprepack,
                     ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
   check_same_device(weight_scale, weight, kUnprepack, "weight_scale", "weight");
-  check_prepacked_weight(kUnprepack, weight, weight_scale, nullptr, k);
+  check_prepacked_weight(kUnprepack, weight, weight_scale, nullptr, k, nullptr);
 }
 
 namespace {
@@ -140,20 +190,15 @@ std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, con
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
-                  bool cuda) {
-  if (cuda) {
-    check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf});
-  } else {
-    check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf, at::kFloat});
-  }
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+  check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf, at::kFloat});
   TORCH_CHECK_VALUE(x.dim() >= 1, "lowbit.", kLinear, ": argument 'x' must be at least 1-D, got shape ",
                     x.sym_sizes());
   check_last_dim_multiple(x, nvfp4::kBlockSize, kLinear, "x");
   check_same_device(weight, x, kLinear, "weight", "x");
   check_same_device(weight_scale, x, kLinear, "weight_scale", "x");
   check_same_device(weight_global, x, kLinear, "weight_global", "x");
-  check_prepacked_weight(kLinear, weight, weight_scale, &weight_global, x.sym_sizes().back());
+  check_prepacked_weight(kLinear, weight, weight_scale, &weight_global, x.sym_sizes().back(), &x);
   if (bias.has_value()) {
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "lowbit.", kLinear,
                      ": argument 'bias' must have the dtype of 'x' (", x.scalar_type(), "), got ",
@@ -166,20 +211,18 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 }
 
 void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                          const at::Tensor& weight_global, int64_t n_groups, bool cuda) {
-  if (cuda) {
-    check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf});
-  } else {
-    check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf, at::kFloat});
-  }
+                          const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
+  check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf, at::kFloat});
   TORCH_CHECK_VALUE(n_groups >= 1, "lowbit.", kGrouped, ": argument 'n_groups' must be >= 1, got ", n_groups);
+  TORCH_CHECK_VALUE(max_fused_rows >= 0, "lowbit.", kGrouped, ": argument 'max_fused_rows' must be >= 0, got ",
+                    max_fused_rows);
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.sym_size(-2) == n_groups, "lowbit.", kGrouped,
                     ": argument 'x' must have shape [..., n_groups (", n_groups, "), K], got ", x.sym_sizes());
   check_last_dim_multiple(x, nvfp4::kBlockSize, kGrouped, "x");
   check_same_device(weight, x, kGrouped, "weight", "x");
   check_same_device(weight_scale, x, kGrouped, "weight_scale", "x");
   check_same_device(weight_global, x, kGrouped, "weight_global", "x");
-  check_prepacked_weight(kGrouped, weight, weight_scale, &weight_global, x.sym_sizes().back());
+  check_prepacked_weight(kGrouped, weight, weight_scale, &weight_global, x.sym_sizes().back(), &x);
   TORCH_CHECK_VALUE(weight.sym_size(0) % (n_groups * nvfp4::gemm::kTileN) == 0, "lowbit.", kGrouped,
                     ": argument 'weight' must have n_groups (", n_groups, ") blocks of rows, each a multiple of 16, got ",
                     weight.sym_size(0), " rows");
@@ -235,11 +278,20 @@ std::tuple<at::Tensor, at::Tensor> fp8_rows_reference(const at::Tensor& v) {
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
-  const int64_t k = x.size(-1), n = weight.size(0);
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+  const int64_t k = x.size(-1);
   auto w = weight.contiguous();
   auto s = weight_scale.contiguous();
-  auto g = weight_global.contiguous();
+  return linear_reference(x, weight_global.contiguous(), bias, fp8_min_rows,
+                          [&](const at::Tensor& global) { return unpacked_cpu(w, s, global, k, at::kFloat); });
+}
+
+}  // namespace
+
+at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
+                            const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                            const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32) {
+  const int64_t k = x.size(-1);
   const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   at::Tensor y;
   if (linear_uses_fp8(m, fp8_min_rows) && k > 0) {
@@ -247,18 +299,20 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::T
     // E4M3, an FP32 GEMM of the codes, the row scales (the global scale in
     // W's) applied to the FP32 sums.
     using nvfp4::gemm::kE4m3Max;
-    auto [w8, w_amax] = fp8_rows_reference(unpacked_cpu(w, s, at::ones({}, g.options()), k, at::kFloat));
+    auto [w8, w_amax] = fp8_rows_reference(unpack_fp32(at::ones({}, weight_global.options())));
     auto [x8, x_amax] = fp8_rows_reference(x.reshape({m, k}).to(at::kFloat));
-    const at::Tensor w_scale = w_amax * g / kE4m3Max, x_scale = x_amax / kE4m3Max;
+    const at::Tensor w_scale = w_amax * weight_global / kE4m3Max, x_scale = x_amax / kE4m3Max;
     std::vector<int64_t> out_shape = x.sizes().vec();
-    out_shape.back() = n;
+    out_shape.back() = w8.size(0);
     y = (at::matmul(x8, w8.t()) * x_scale.unsqueeze(1) * w_scale.unsqueeze(0)).view(out_shape);
   } else {
-    y = at::matmul(x.to(at::kFloat), unpacked_cpu(w, s, g, k, at::kFloat).t());
+    y = at::matmul(x.to(at::kFloat), unpack_fp32(weight_global).t());
   }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());
 }
+
+namespace {
 
 at::Tensor unpack_weight_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
                              const at::Tensor& weight_global, int64_t k, at::ScalarType dtype) {
@@ -274,9 +328,10 @@ at::Tensor unpack_weight_meta(const at::Tensor& weight, const at::Tensor& weight
 
 // The reference: the weight unpacked to FP32, per group x_g W_g^T in FP32,
 // rounded once to x's dtype.
+// max_fused_rows only picks CUDA kernels: the reference is the same math.
 at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                              const at::Tensor& weight_global, int64_t n_groups) {
-  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/false);
+                              const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, max_fused_rows);
   const int64_t k = x.size(-1), n = weight.size(0) / n_groups;
   const at::Tensor w = unpacked_cpu(weight.contiguous(), weight_scale.contiguous(), weight_global.contiguous(), k,
                                     at::kFloat).view({n_groups, n, k});
@@ -287,8 +342,8 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
 }
 
 at::Tensor grouped_linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                               const at::Tensor& weight_global, int64_t n_groups) {
-  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/false);
+                               const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, max_fused_rows);
   return at::empty_symint(grouped_linear_output_shape(x, weight, n_groups), x.options());
 }
 
@@ -306,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor> unprepack_meta(const at::Tensor& weight, cons
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/false);
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
   return at::empty_symint(linear_output_shape(x, weight), x.options());
 }
 

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <tuple>
 
 #include "lowbit/nvfp4_gemm.h"
@@ -15,10 +16,21 @@ namespace lowbit::ops {
 inline c10::SymInt padded_k_sym(const c10::SymInt& k) {
   return (k + (nvfp4::gemm::kTileK - 1)) / nvfp4::gemm::kTileK * nvfp4::gemm::kTileK;
 }
+// Columns of the prepacked scale tensor for K: (2 Kp - K) / 16, which record
+// K (csrc/lowbit/nvfp4_gemm_layout.h).
+inline c10::SymInt prepacked_scale_cols_sym(const c10::SymInt& k) {
+  return (padded_k_sym(k) * 2 - k) / nvfp4::kBlockSize;
+}
+// The first N Kp/16 bytes of a prepacked scale tensor [N, (2 Kp - K)/16] as
+// [N, Kp/16] (a view): the tiles' scales without the bytes that record K,
+// for a stack of prepacked weights (the MoE's experts).
+at::Tensor prepacked_scale_tiles(const at::Tensor& weight_scale, const c10::SymInt& k);
 
 // Checks the checkpoint-layout weight [N, K/2] uint8 and its E4M3 (or uint8
 // code) block scales [N, K/16]; N and K multiples of 16.
 void check_prepack(const at::Tensor& weight, const at::Tensor& weight_scale);
+// The prepacked weight [N, Kp/2] and scales [N, (2 Kp - K)/16] (the bytes
+// after the tiles' N Kp/16 already filled) for the checkpoint weight.
 std::tuple<at::Tensor, at::Tensor> empty_prepack_outputs(const at::Tensor& weight);
 // Core arguments for contiguous weight / scales and the prepack outputs.
 nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -28,37 +40,52 @@ nvfp4::gemm::PrepackArgs prepack_args(const at::Tensor& weight, const at::Tensor
 nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& weight_scale,
                                     const at::Tensor& weight_global, at::Tensor& out);
 
-// Checks the prepacked weight [N, Kp/2] uint8, scales [N, Kp/16] uint8 and
-// global [] float32 of lowbit::nvfp4_unpack for K (a multiple of 16) and the
-// output dtype (float32, bf16 or fp16), all on one device.
+// Checks the prepacked weight [N, Kp/2] uint8, scales [N, (2 Kp - K)/16]
+// uint8 and global [] float32 of lowbit::nvfp4_unpack for K (a multiple of
+// 16: the K they record; scales [N, Kp/16] of the earlier format, which do
+// not record K, are taken for any K with that Kp) and the output dtype
+// (float32, bf16 or fp16), all on one device.
 void check_unpack(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
                   const c10::SymInt& k, at::ScalarType dtype);
 
 // Checks the prepacked weight and scales of lowbit::nvfp4_unprepack for K
-// (a multiple of 16), on one device.
+// (a multiple of 16; as check_unpack), on one device.
 void check_unprepack(const at::Tensor& weight, const at::Tensor& weight_scale, const c10::SymInt& k);
 // The prepacked weight back in the checkpoint layout, on the host (the
 // inputs on the CPU): codes uint8 [N, K/2], block scales float8_e4m3fn [N, K/16].
 std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
                                                    int64_t k);
 
-// Checks x [..., K] bf16/fp16/fp32 (fp32 on CPU only), the prepacked weight
-// [N, Kp/2] and scales [N, Kp/16] (Kp = K rounded up to 128), global [] fp32
-// and bias [N] in x's dtype, all on x's device, and fp8_min_rows >= 0.
+// The checks of the Linear ops are the same for every device (CPU, CUDA,
+// Meta), so that a graph traced with fake tensors runs on any of them.
+//
+// Checks x [..., K] bf16/fp16/fp32, the prepacked weight [N, Kp/2] and
+// scales [N, (2 Kp - K)/16] (Kp = K rounded up to 128) prepacked for x's K,
+// global [] fp32 and bias [N] in x's dtype, all on x's device, and
+// fp8_min_rows >= 0.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
-                  bool cuda);
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows);
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight);
 
-// Checks x [..., G, K] (bf16/fp16; fp32 too on CPU), n_groups G >= 1 and the
-// prepacked weight of G blocks of rows (each a multiple of 16) for K, all
-// on x's device, for lowbit::nvfp4_grouped_linear; its output [..., G, N / G].
+// Checks x [..., G, K] (bf16/fp16/fp32), n_groups G >= 1, max_fused_rows
+// >= 0 and the prepacked weight of G blocks of rows (each a multiple of 16)
+// for K, all on x's device, for lowbit::nvfp4_grouped_linear; its output
+// [..., G, N / G].
 void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                          const at::Tensor& weight_global, int64_t n_groups, bool cuda);
+                          const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows);
 c10::SymDimVector grouped_linear_output_shape(const at::Tensor& x, const at::Tensor& weight, int64_t n_groups);
 
 // Whether a call of m rows runs the FP8 mode (nvfp4_gemm.h, Fp8WeightArgs):
 // fp8_min_rows > 0 and m >= fp8_min_rows.
 inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_rows > 0 && m >= fp8_min_rows; }
+
+// The reference Linear in ATen ops on x's device (the CPU kernel; the CUDA
+// kernel for float32 x, which the fused and FP8 kernels do not take):
+// `unpack_fp32(global)` returns the weight [N, K] in FP32 times `global` (a
+// float32 [] tensor); FP32 products, the bias added in FP32, the result in
+// x's dtype; from fp8_min_rows rows the FP8 mode's rule (nvfp4_gemm.h).
+at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
+                            const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                            const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32);
 
 }  // namespace lowbit::ops

@@ -112,7 +112,7 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, /*cuda=*/true);
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
   check_sm90(x, "nvfp4_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -128,6 +128,13 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   auto w = contiguous_aligned(weight, 16);
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    // The fused and FP8 kernels take bf16/fp16 x: float32 x runs the CPU's
+    // formula on the device (the weight unpacked to FP32, an FP32 matmul).
+    return linear_reference(x, g, bias, fp8_min_rows, [&](const at::Tensor& global) {
+      return unpacked_cuda(w, s, global, k, at::kFloat, stream);
+    });
+  }
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
   if (linear_uses_fp8(m, fp8_min_rows)) {
     c10::optional<at::Tensor> b;
@@ -154,13 +161,16 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   return out.view(out_shape);
 }
 
-// The wgmma kernel, each W block on its group's columns of x, where groups
-// are whole 128-row W blocks and K whole k-tiles (DeepSeek-V4's o_a_proj),
-// up to kGroupedWgmmaMaxM tokens; otherwise the weight unpacked to x's
-// dtype and one batched matmul.
+// Up to max_fused_rows rows of x (tokens times G): one nvfp4_linear over all
+// groups, every token's G slices against the whole weight, the diagonal
+// blocks kept (G times the products, but the weight read once: decode).
+// Above, the wgmma kernel, each W block on its group's columns of x, where
+// groups are whole 128-row W blocks and K whole k-tiles (DeepSeek-V4's
+// o_a_proj), up to kGroupedWgmmaMaxM tokens; otherwise (and for float32 x)
+// the weight unpacked to x's dtype and one batched matmul.
 at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                               const at::Tensor& weight_global, int64_t n_groups) {
-  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, /*cuda=*/true);
+                               const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
+  check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, max_fused_rows);
   check_sm90(x, "nvfp4_grouped_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -172,8 +182,13 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
   auto w = contiguous_aligned(weight, 16);
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
+  if (m * n_groups <= max_fused_rows) {
+    at::Tensor every = linear_cuda(x.reshape({m * n_groups, k}), weight, weight_scale, weight_global, c10::nullopt, 0);
+    return every.view({m, n_groups, n_groups, n}).diagonal(0, 1, 2).transpose(1, 2).reshape(out_shape);
+  }
   at::Tensor x3 = contiguous_aligned(x, 16).view({m, n_groups, k});
-  if (n % gemm::kWgmmaBlockRows != 0 || k % gemm::kTileK != 0 || m > gemm::kGroupedWgmmaMaxM) {
+  if (n % gemm::kWgmmaBlockRows != 0 || k % gemm::kTileK != 0 || m > gemm::kGroupedWgmmaMaxM ||
+      x.scalar_type() == at::kFloat) {
     at::Tensor wg = unpacked_cuda(w, s, g, k, x.scalar_type(), stream).view({n_groups, n, k});
     return at::bmm(x3.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(out_shape);
   }

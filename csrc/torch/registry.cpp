@@ -55,8 +55,9 @@ TORCH_LIBRARY(lowbit, m) {
   // NVFP4 Linear, W4A16 (nvfp4_linear_ops.cpp; layout in
   // csrc/lowbit/nvfp4_gemm_layout.h). nvfp4_prepack converts a checkpoint
   // weight (uint8 [N, K/2], E4M3 scales [N, K/16]) once, at load time, to
-  // (uint8 [N, Kp/2], uint8 [N, Kp/16]), Kp = K rounded up to 128, the same
-  // layout on every device. nvfp4_linear: x [..., K] -> [..., N] in x's
+  // (uint8 [N, Kp/2], uint8 [N, (2 Kp - K)/16]), Kp = K rounded up to 128,
+  // the same layout on every device; the shapes record K, which the ops
+  // check against x's (or the argument k). nvfp4_linear: x [..., K] -> [..., N] in x's
   // dtype, y = x W^T * weight_global (+ bias [N], x's dtype). From
   // fp8_min_rows rows of x (0: never) it runs the FP8 mode instead: W and x
   // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/nvfp4_gemm.h).
@@ -70,7 +71,12 @@ TORCH_LIBRARY(lowbit, m) {
   // nvfp4_grouped_linear: the block-diagonal Linear (DeepSeek-V4's o_a_proj):
   // x [..., G, K] -> [..., G, N / G], group g times weight rows [g N / G,
   // (g + 1) N / G) (prepacked like nvfp4_linear's), times weight_global.
-  m.def("nvfp4_grouped_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, int n_groups) -> Tensor");
+  // Up to max_fused_rows rows of x (tokens times G) the CUDA kernel runs
+  // one nvfp4_linear over all groups and keeps the diagonal blocks (decode:
+  // the weight read once); the choice inside the op keeps one graph for
+  // every token count.
+  m.def("nvfp4_grouped_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, int n_groups, "
+        "int max_fused_rows=256) -> Tensor");
   m.def("nvfp4_unpack(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k, ScalarType dtype) -> Tensor");
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "

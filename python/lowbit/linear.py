@@ -20,7 +20,10 @@ from torch import Tensor
 
 
 class Nvfp4PrepackedWeight(NamedTuple):
-    """weight: uint8 [N, Kp/2], scale: uint8 [N, Kp/16], Kp = K rounded up to 128."""
+    """weight: uint8 [N, Kp/2], scale: uint8 [N, (2 Kp - K)/16], Kp = K
+    rounded up to 128: the tiles' scales, then one byte per row and padding
+    block of 16 columns, so that the shapes record K (the ops check x's K,
+    or their ``k``, against it)."""
 
     weight: Tensor
     scale: Tensor
@@ -70,7 +73,8 @@ def nvfp4_linear(
     bias: Tensor | None = None,
     fp8_min_rows: int = 0,
 ) -> Tensor:
-    """y = x W^T * weight_global (+ bias): x [..., K] bf16/fp16 (fp32 on CPU),
+    """y = x W^T * weight_global (+ bias): x [..., K] bf16/fp16/fp32 (fp32:
+    on CUDA the weight unpacked to FP32 and an FP32 matmul, as on the CPU),
     ``weight`` / ``weight_scale`` from :func:`nvfp4_prepack`, ``weight_global``
     float32 [] (ModelOpt's ``weight_scale_2``), bias [N] in x's dtype.
     Returns [..., N] in x's dtype.
@@ -95,20 +99,24 @@ def _linear_setup_context(ctx, inputs, output) -> None:
 
 
 def _linear_backward(ctx, grad_y: Tensor):
+    # One gradient per argument passed: the dispatcher drops trailing
+    # arguments left at their defaults (bias, fp8_min_rows), so
+    # needs_input_grad may hold only x's and the weight's.
     weight, weight_scale, weight_global = ctx.saved_tensors
-    grad_x = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_x = grad_y @ nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
-    if ctx.needs_input_grad[4]:
-        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-    return grad_x, None, None, None, grad_bias, None
+    needs = ctx.needs_input_grad
+    grads: list[Tensor | None] = [None] * len(needs)
+    if needs[0]:
+        grads[0] = grad_y @ nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
+    if len(needs) > 4 and needs[4]:
+        grads[4] = grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+    return tuple(grads)
 
 
 torch.library.register_autograd("lowbit::nvfp4_linear", _linear_backward, setup_context=_linear_setup_context)
 
 
 def nvfp4_grouped_linear(
-    x: Tensor, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, n_groups: int
+    x: Tensor, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, n_groups: int, max_fused_rows: int = 256
 ) -> Tensor:
     """The block-diagonal Linear (DeepSeek-V4's ``o_a_proj``): x [..., G, K]
     -> [..., G, N], y[..., g, :] = x[..., g, :] W_g^T * weight_global, W_g
@@ -116,27 +124,33 @@ def nvfp4_grouped_linear(
     :func:`nvfp4_prepack`), G = ``n_groups``. Accumulates in FP32, rounds
     once to x's dtype.
 
-    On CUDA, where N and K are multiples of 128, one wgmma kernel runs all
-    groups, each 128-row W block on its group's columns of x; otherwise the
-    weight is unpacked to x's dtype and one batched matmul runs. The CPU
-    kernel (the reference) unpacks to FP32. Differentiable in x, as
+    On CUDA, up to ``max_fused_rows`` rows of x (tokens times G) one
+    nvfp4_linear runs over all groups, every token's G slices against the
+    whole weight, and the diagonal blocks are kept: G times the products,
+    but the weight is read once, which is what decode is bound by. Above,
+    where N and K are multiples of 128, one wgmma kernel runs all groups,
+    each 128-row W block on its group's columns of x; otherwise the weight
+    is unpacked to x's dtype and one batched matmul runs. The choice is made
+    inside the op, so one traced or exported graph serves every token
+    count. The CPU kernel (the reference) unpacks to FP32 (the same math
+    whatever ``max_fused_rows``). Differentiable in x, as
     :func:`nvfp4_linear`."""
-    return torch.ops.lowbit.nvfp4_grouped_linear(x, weight, weight_scale, weight_global, n_groups)
+    return torch.ops.lowbit.nvfp4_grouped_linear(x, weight, weight_scale, weight_global, n_groups, max_fused_rows)
 
 
 def _grouped_setup_context(ctx, inputs, output) -> None:
-    x, weight, weight_scale, weight_global, n_groups = inputs
+    x, weight, weight_scale, weight_global, n_groups, _max_fused_rows = inputs
     ctx.save_for_backward(weight, weight_scale, weight_global)
     ctx.k, ctx.n_groups = x.shape[-1], n_groups
 
 
 def _grouped_backward(ctx, grad_y: Tensor):
     weight, weight_scale, weight_global = ctx.saved_tensors
-    grad_x = None
+    grads: list[Tensor | None] = [None] * len(ctx.needs_input_grad)  # one per argument passed
     if ctx.needs_input_grad[0]:
         w = nvfp4_unpack(weight, weight_scale, weight_global, ctx.k, grad_y.dtype)
-        grad_x = torch.einsum("...gn,gnk->...gk", grad_y, w.view(ctx.n_groups, -1, ctx.k))
-    return grad_x, None, None, None, None
+        grads[0] = torch.einsum("...gn,gnk->...gk", grad_y, w.view(ctx.n_groups, -1, ctx.k))
+    return tuple(grads)
 
 
 torch.library.register_autograd(

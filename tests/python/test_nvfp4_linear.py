@@ -97,7 +97,9 @@ def test_prepack_shapes_and_padding():
     gen = torch.Generator().manual_seed(1)
     _, q, _, pw, ps, _ = make_weight(32, 48, gen)
     assert pw.shape == (32, 64) and pw.dtype == torch.uint8  # K padded to 128
-    assert ps.shape == (32, 8) and ps.dtype == torch.uint8
+    # The tiles' 8 scale bytes a row, then one for each of the 5 padding
+    # blocks: the shapes record K.
+    assert ps.shape == (32, 8 + 5) and ps.dtype == torch.uint8
     # uint8 E4M3 codes are accepted as well as float8_e4m3fn
     pw2, ps2 = lowbit.nvfp4_prepack(q.packed, q.block_scale.view(torch.uint8))
     assert torch.equal(pw, pw2) and torch.equal(ps, ps2)
@@ -165,9 +167,12 @@ def test_bad_inputs_raise_clear_errors():
         lowbit.nvfp4_linear(torch.randn(4, 40, dtype=torch.bfloat16), pw, ps, g)
     with pytest.raises(TypeError, match=r"'x' must have dtype .*got Int"):
         lowbit.nvfp4_linear(torch.ones(4, 64, dtype=torch.int32), pw, ps, g)
-    with pytest.raises(ValueError, match=r"'weight' must be prepacked .* for K = 256, i.e. have shape \[N, 128\], got \[32, 64\]"):
+    with pytest.raises(ValueError, match=r"'x' must have K = 64 columns \(the K 'weight' and 'weight_scale' were "
+                                         r"prepacked for\), got shape \[4, 256\]"):
         lowbit.nvfp4_linear(torch.randn(4, 256, dtype=torch.bfloat16), pw, ps, g)
-    with pytest.raises(ValueError, match=r"'weight_scale' must have shape \[32, 8\], got \[32, 4\]"):
+    with pytest.raises(ValueError, match=r"'weight' must be prepacked .* for K = 64, i.e. have shape \[N, 64\], got \[32, 16\]"):
+        lowbit.nvfp4_linear(x, pw[:, :16], ps, g)
+    with pytest.raises(ValueError, match=r"'weight_scale' must have shape \[32, 12\], got \[32, 4\]"):
         lowbit.nvfp4_linear(x, pw, ps[:, :4], g)
     with pytest.raises(TypeError, match=r"'weight_scale' must have dtype Byte, got Float"):
         lowbit.nvfp4_linear(x, pw, ps.float(), g)
@@ -267,7 +272,7 @@ def test_unpack_is_the_dequantized_weight(n, k):
     torch.library.opcheck(torch.ops.lowbit.nvfp4_unpack.default, (pw, ps, g, k, torch.bfloat16))
     with pytest.raises(ValueError, match=r"'k' must be a multiple of 16 \(>= 0\), got 40"):
         lowbit.nvfp4_unpack(pw, ps, g, 40)
-    with pytest.raises(ValueError, match=r"'weight' must be prepacked .* for K = 2048"):
+    with pytest.raises(ValueError, match=rf"'k' must be the K the weight was prepacked for \({k}\), got 2048"):
         lowbit.nvfp4_unpack(pw, ps, g, 2048)
     with pytest.raises(TypeError, match=r"'dtype' must be torch.float32, torch.bfloat16 or torch.float16, got Int"):
         lowbit.nvfp4_unpack(pw, ps, g, k, torch.int32)
@@ -1069,3 +1074,184 @@ def test_grouped_linear_opcheck_grad_compile_and_bad_input():
     x3 = torch.randn(2, 4, 144).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"argument 'weight' must have n_groups \(4\) blocks of rows"):
         lowbit.nvfp4_grouped_linear(x3, pw3, ps3, g3, 4)
+
+
+# ------------------------------------------- no bias, K, dtypes, export ----
+
+def test_backward_without_bias_eager_compiled_and_opcheck():
+    # The call every quantize_'d layer without a bias makes: bias and
+    # fp8_min_rows left at their defaults.
+    gen = torch.Generator().manual_seed(51)
+    _, _, deq, pw, ps, g = make_weight(32, 144, gen)
+    x = torch.randn(3, 144, generator=gen).to(torch.bfloat16)
+    grad_y = torch.randn(3, 32, generator=gen).to(torch.bfloat16)
+
+    def grad_x(fn):
+        xg = x.detach().requires_grad_()
+        fn(xg, pw, ps, g).backward(grad_y)
+        return xg.grad
+
+    eager = grad_x(lowbit.nvfp4_linear)
+    assert rel_err(eager, grad_y.double() @ deq.double()) <= 1e-2
+    compiled = torch.compile(lowbit.nvfp4_linear, backend="aot_eager", fullgraph=True, dynamic=True)
+    assert torch.equal(grad_x(compiled), eager)
+    torch.library.opcheck(torch.ops.lowbit.nvfp4_linear.default, (x.detach().requires_grad_(), pw, ps, g))
+    # A layer without a bias trains the layers before it.
+    frozen = Nvfp4Linear.from_linear(torch.nn.Linear(144, 32, bias=False).to(torch.bfloat16))
+    before = torch.nn.Linear(16, 144).to(torch.bfloat16)
+    frozen(before(torch.randn(4, 16).to(torch.bfloat16))).sum().backward()
+    assert before.weight.grad is not None and before.weight.grad.abs().sum() > 0
+
+
+def test_prepacked_weight_records_k():
+    gen = torch.Generator().manual_seed(52)
+    _, q, _, pw, ps, g = make_weight(32, 64, gen)
+    x48 = torch.randn(4, 48, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"lowbit.nvfp4_linear: argument 'x' must have K = 64 columns \(the K "
+                                         r"'weight' and 'weight_scale' were prepacked for\), got shape \[4, 48\]$"):
+        lowbit.nvfp4_linear(x48, pw, ps, g)
+    meta = [t.to("meta") for t in (x48, pw, ps, g)]
+    with pytest.raises(ValueError, match=r"argument 'x' must have K = 64 columns"):
+        torch.ops.lowbit.nvfp4_linear(*meta)
+    with pytest.raises(ValueError, match=r"argument 'k' must be the K the weight was prepacked for \(64\), got 48"):
+        lowbit.nvfp4_unpack(pw, ps, g, 48)
+    with pytest.raises(ValueError, match=r"argument 'k' must be the K the weight was prepacked for \(64\), got 48"):
+        lowbit.nvfp4_unprepack(pw, ps, 48)
+    # The grouped Linear: 2 groups of 16 rows.
+    with pytest.raises(ValueError, match=r"lowbit.nvfp4_grouped_linear: argument 'x' must have K = 64 columns"):
+        lowbit.nvfp4_grouped_linear(torch.randn(5, 2, 48).to(torch.bfloat16), pw, ps, g, 2)
+    # The modules.
+    layer = Nvfp4Linear.from_checkpoint(q.packed, q.block_scale, q.global_scale)
+    with pytest.raises(ValueError, match=r"Nvfp4Linear: argument 'x' must have 64 features \(its last dimension\), "
+                                         r"got shape \[4, 48\]"):
+        layer(x48)
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight_scale"):
+        Nvfp4Linear(128, 32, bias=False).load_state_dict(layer.state_dict())
+    with pytest.raises(RuntimeError, match=r"size mismatch for weight_scale"):
+        Nvfp4Linear(48, 32, bias=False).load_state_dict(layer.state_dict())
+    grouped = lowbit.nn.Nvfp4GroupedLinear.from_checkpoint(2, q.packed, q.block_scale, q.global_scale)
+    with pytest.raises(RuntimeError, match=r"size mismatch for linear.weight_scale"):
+        lowbit.nn.Nvfp4GroupedLinear(128, 16, 2).load_state_dict(grouped.state_dict())
+
+
+def test_module_loads_a_state_dict_of_the_format_without_k():
+    # Earlier prepacked scales [N, Kp/16] did not record K: a layer converts
+    # them when it loads (it knows its K).
+    gen = torch.Generator().manual_seed(53)
+    layer = Nvfp4Linear.from_linear(torch.nn.Linear(48, 32).to(torch.bfloat16))
+    state = layer.state_dict()
+    old = dict(state)
+    old["weight_scale"] = state["weight_scale"].flatten()[: 32 * 8].view(32, 8).clone()
+    old = type(state)(old)
+    old._metadata = {"": {"version": 1}}
+    fresh = Nvfp4Linear(48, 32)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.weight_scale, layer.weight_scale)
+    x = torch.randn(3, 48, generator=gen).to(torch.bfloat16)
+    assert torch.equal(fresh(x), layer(x))
+    # Without metadata (a state dict rebuilt from a plain dict) as well.
+    fresh = Nvfp4Linear(48, 32)
+    fresh.load_state_dict({k: v for k, v in old.items()})
+    assert torch.equal(fresh(x), layer(x))
+
+
+def test_from_modelopt_names_bad_tensors():
+    gen = torch.Generator().manual_seed(54)
+    q = lowbit.nvfp4_quantize(torch.randn(32, 64, generator=gen))
+    with pytest.raises(ValueError, match=r"Nvfp4Linear.from_modelopt: argument 'weight_scale_2' must hold one value "
+                                         r"\(shape \[\] or \[1\]\), got shape \[2\]"):
+        Nvfp4Linear.from_modelopt(q.packed, q.block_scale, q.global_scale.reshape(1).repeat(2))
+    with pytest.raises(ValueError, match=r"Nvfp4Linear.from_modelopt: argument 'bias' must have shape \[32\], "
+                                         r"got \[16\]"):
+        Nvfp4Linear.from_modelopt(q.packed, q.block_scale, q.global_scale, torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"Nvfp4Linear.from_modelopt: argument 'weight' must be 2-D \[N, K/2\], "
+                                         r"got shape \[2, 16, 32\]"):
+        Nvfp4Linear.from_modelopt(q.packed.view(2, 16, 32), q.block_scale, q.global_scale)
+    with pytest.raises(ValueError, match=r"Nvfp4Linear.from_modelopt: argument 'weight_scale' must have shape "
+                                         r"\[32, 4\], got \[32, 2\]"):
+        Nvfp4Linear.from_modelopt(q.packed, q.block_scale[:, :2], q.global_scale)
+    with pytest.raises(ValueError, match=r"from_compressed_tensors: argument 'weight_global_scale' must hold one"):
+        Nvfp4Linear.from_compressed_tensors(q.packed, q.block_scale, torch.ones(2))
+
+
+def test_grouped_module_exports_one_graph_for_every_token_count():
+    # Decode (few rows: one nvfp4_linear over all groups on CUDA) and
+    # prefill (nvfp4_grouped_linear's own kernel) in one exported graph.
+    gen = torch.Generator().manual_seed(55)
+    q = lowbit.nvfp4_quantize(torch.randn(2 * 32, 64, generator=gen) * 0.02)
+    mod = lowbit.nn.Nvfp4GroupedLinear.from_checkpoint(2, q.packed, q.block_scale, q.global_scale)
+    limit = mod.max_fused_rows // 2  # tokens of 2 rows each
+    x = torch.randn(5, 2, 64, generator=gen).to(torch.bfloat16)
+    exported = torch.export.export(mod, (x,), dynamic_shapes=({0: torch.export.Dim("tokens", max=4096)},))
+    for tokens in (1, 3, limit, limit + 1, 3 * limit):
+        x = torch.randn(tokens, 2, 64, generator=gen).to(torch.bfloat16)
+        assert torch.equal(exported.module()(x), mod(x)), tokens
+
+
+# (op, arguments): one dtype the CUDA kernels reject per argument. The Meta
+# kernels (fake tensors, device="meta") reject the same, with the same words.
+def bad_dtype_calls():
+    gen = torch.Generator().manual_seed(56)
+    _, q, _, pw, ps, g = make_weight(32, 64, gen)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    xg = torch.randn(4, 2, 64, generator=gen).to(torch.bfloat16)
+    ops = torch.ops.lowbit
+    return [
+        (ops.nvfp4_linear, (x.double(), pw, ps, g), "'x' must have dtype"),
+        (ops.nvfp4_linear, (x.to(torch.int32), pw, ps, g), "'x' must have dtype"),
+        (ops.nvfp4_linear, (x, pw.to(torch.int8), ps, g), "'weight' must have dtype"),
+        (ops.nvfp4_linear, (x, pw, ps.float(), g), "'weight_scale' must have dtype"),
+        (ops.nvfp4_linear, (x, pw, ps, g.bfloat16()), "'weight_global' must have dtype"),
+        (ops.nvfp4_linear, (x, pw, ps, g, torch.zeros(32)), "'bias' must have the dtype of 'x'"),
+        (ops.nvfp4_grouped_linear, (xg.double(), pw, ps, g, 2), "'x' must have dtype"),
+        (ops.nvfp4_grouped_linear, (xg, pw, ps.float(), g, 2), "'weight_scale' must have dtype"),
+        (ops.nvfp4_grouped_linear, (xg, pw, ps, g.double(), 2), "'weight_global' must have dtype"),
+        (ops.nvfp4_prepack, (q.packed.to(torch.int8), q.block_scale), "'weight' must have dtype"),
+        (ops.nvfp4_prepack, (q.packed, q.block_scale.float()), "'weight_scale' must have dtype"),
+        (ops.nvfp4_unpack, (pw, ps, g, 64, torch.float64), "'dtype' must be"),
+        (ops.nvfp4_unpack, (pw, ps.float(), g, 64, torch.bfloat16), "'weight_scale' must have dtype"),
+        (ops.nvfp4_unpack, (pw, ps, g.half(), 64, torch.bfloat16), "'weight_global' must have dtype"),
+        (ops.nvfp4_unprepack, (pw.to(torch.int8), ps, 64), "'weight' must have dtype"),
+        (ops.nvfp4_unprepack, (pw, ps.to(torch.int16), 64), "'weight_scale' must have dtype"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_dtype_calls())))
+def test_meta_kernels_reject_the_dtypes_the_kernels_reject(case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op, args, words = bad_dtype_calls()[case]
+    devices = ["cpu", "meta"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        moved = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(TypeError, match=words):
+            op(*moved)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        with pytest.raises(TypeError, match=words):
+            op(*fake)
+
+
+def test_linear_ops_accept_the_same_dtypes_on_every_device():
+    # One validation for CPU, CUDA and Meta: x in float32 too (on CUDA the
+    # weight unpacked to FP32 and an FP32 matmul), so a graph traced with
+    # fake tensors runs on either device.
+    gen = torch.Generator().manual_seed(57)
+    _, _, deq, pw, ps, g = make_weight(32, 64, gen)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    x = torch.randn(4, 64, generator=gen)
+    xg = torch.randn(4, 2, 64, generator=gen)
+    want = lowbit.nvfp4_linear(x, pw, ps, g)
+    want8 = lowbit.nvfp4_linear(x, pw, ps, g, None, 1)
+    want_g = lowbit.nvfp4_grouped_linear(xg, pw, ps, g, 2)
+    assert rel_err(want, reference(x, deq)) <= 1e-5
+    for device in devices + ["meta"]:
+        d = [t.to(device) for t in (x, pw, ps, g)]
+        y = lowbit.nvfp4_linear(*d)
+        y8 = lowbit.nvfp4_linear(*d, None, 1)
+        yg = lowbit.nvfp4_grouped_linear(xg.to(device), *d[1:], 2)
+        assert y.dtype == y8.dtype == yg.dtype == torch.float32
+        if device != "meta":
+            torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(y8.cpu(), want8, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(yg.cpu(), want_g, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,10 @@
 """``Nvfp4Linear``: an inference Linear layer with an NVFP4 weight (W4A16).
 
 Buffers (all in ``state_dict``): ``weight`` uint8 [N, Kp/2] and
-``weight_scale`` uint8 [N, Kp/16] in the prepacked layout of
-``lowbit.nvfp4_prepack``, ``weight_global`` float32 [] and, optionally,
+``weight_scale`` uint8 [N, (2 Kp - K)/16] in the prepacked layout of
+``lowbit.nvfp4_prepack`` (Kp = K rounded up to 128; the shapes record K, so
+a state dict of a layer with another K does not load), ``weight_global``
+float32 [] and, optionally,
 ``bias`` [N] (kept in the activation dtype it was created with). These
 dtypes are part of the format: ``.to(dtype)`` / ``.half()`` keep them (a
 model converted with ``.half()`` keeps its NVFP4 layers intact); the input
@@ -26,6 +28,56 @@ from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_un
 from ..ops import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
+# The prepacked layout's padding scale byte (E4M3 1.0 re-encoded,
+# csrc/lowbit/nvfp4_gemm_layout.h), which fills the scale bytes that record K.
+_PADDING_SCALE_BYTE = 0x8A
+
+
+def _padded_k(k: int) -> int:
+    return (k + 127) // 128 * 128
+
+
+def prepacked_scale_cols(k: int) -> int:
+    """Columns of the prepacked scale tensor of a layer with ``k`` input
+    features: (2 Kp - K) / 16, Kp = K rounded up to 128."""
+    return (2 * _padded_k(k) - k) // 16
+
+
+def _check_checkpoint(source: str, names: tuple[str, str, str], weight, weight_scale, global_scale, bias) -> None:
+    """Checkpoint-layout tensors: weight uint8 [N, K/2], block scales
+    float8_e4m3fn (or uint8 codes) [N, K/16], one global scale, bias [N];
+    N and K multiples of 16. Errors name the argument as ``source`` calls it."""
+    w_name, s_name, g_name = names
+
+    def arg(name: str) -> str:
+        return f"Nvfp4Linear.{source}: argument '{name}'"
+
+    for name, t in ((w_name, weight), (s_name, weight_scale), (g_name, global_scale)) + (
+        (("bias", bias),) if bias is not None else ()
+    ):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{arg(name)} must be a Tensor, got {type(t).__name__}")
+    if weight.dtype != torch.uint8:
+        raise TypeError(f"{arg(w_name)} must have dtype torch.uint8 (two E2M1 codes a byte), got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{arg(w_name)} must be 2-D [N, K/2], got shape {list(weight.shape)}")
+    n, k = weight.shape[0], weight.shape[1] * 2
+    if n % 16 or k % 16:
+        raise ValueError(f"{arg(w_name)} must be [N, K/2] with N and K multiples of 16, got shape {list(weight.shape)}")
+    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"{arg(s_name)} must have dtype torch.float8_e4m3fn (or uint8 codes), got {weight_scale.dtype}")
+    if list(weight_scale.shape) != [n, k // 16]:
+        raise ValueError(f"{arg(s_name)} must have shape [{n}, {k // 16}], got {list(weight_scale.shape)}")
+    if global_scale.numel() != 1 or global_scale.dim() > 1:
+        raise ValueError(f"{arg(g_name)} must hold one value (shape [] or [1]), got shape {list(global_scale.shape)}")
+    if not global_scale.is_floating_point():
+        raise TypeError(f"{arg(g_name)} must be floating point, got {global_scale.dtype}")
+    if bias is not None:
+        if list(bias.shape) != [n]:
+            raise ValueError(f"{arg('bias')} must have shape [{n}], got {list(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"{arg('bias')} must be floating point, got {bias.dtype}")
+
 
 def global_from_compressed_tensors(weight_global_scale: Tensor) -> Tensor:
     """compressed-tensors' ``weight_global_scale`` (2688 / amax) as the
@@ -34,6 +86,11 @@ def global_from_compressed_tensors(weight_global_scale: Tensor) -> Tensor:
 
 
 class Nvfp4Linear(KeepsDtypes):
+    # 2: ``weight_scale`` [N, (2 Kp - K)/16] records K. State dicts of
+    # version 1 (or without a version, e.g. rebuilt from a safetensors file)
+    # may hold the earlier [N, Kp/16]: converted on load (_load_from_state_dict).
+    _version = 2
+
     def __init__(
         self,
         in_features: int,
@@ -53,7 +110,8 @@ class Nvfp4Linear(KeepsDtypes):
         self.out_features = out_features
         kp = (in_features + 127) // 128 * 128
         self.register_buffer("weight", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(out_features, kp // 16, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, prepacked_scale_cols(in_features),
+                                                         dtype=torch.uint8, device=device))
         self.register_buffer("weight_global", torch.ones((), dtype=torch.float32, device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
@@ -71,6 +129,25 @@ class Nvfp4Linear(KeepsDtypes):
             raise ValueError(f"Nvfp4Linear: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {value!r}")
         self._fp8_min_rows = value
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # The earlier prepacked scales [N, Kp/16] did not record K: this
+        # layer's K appends the bytes that do (the rest is the same layout).
+        # Such a state dict of a layer with another K but the same Kp cannot
+        # be told apart and loads; state dicts of version 2 are taken as they
+        # are, so a layer of another K fails with PyTorch's size mismatch.
+        key = prefix + "weight_scale"
+        scale = state_dict.get(key)
+        version = local_metadata.get("version")
+        n, k = self.out_features, self.in_features
+        kp = _padded_k(k)
+        if (version is None or version < 2) and isinstance(scale, Tensor) and kp != k \
+                and scale.dtype == torch.uint8 and tuple(scale.shape) == (n, kp // 16):
+            tail = torch.full((n * (kp - k) // 16,), _PADDING_SCALE_BYTE, dtype=torch.uint8, device=scale.device)
+            state_dict[key] = torch.cat([scale.reshape(-1), tail]).view(n, prepacked_scale_cols(k))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     # ---- construction -----------------------------------------------------
 
     @classmethod
@@ -78,7 +155,17 @@ class Nvfp4Linear(KeepsDtypes):
         cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None
     ) -> "Nvfp4Linear":
         """From checkpoint-layout tensors: ``weight`` uint8 [N, K/2],
-        ``weight_scale`` E4M3 [N, K/16], ``weight_global`` = amax / 2688."""
+        ``weight_scale`` E4M3 [N, K/16], ``weight_global`` = amax / 2688
+        (one value), ``bias`` [N]. Bad tensors raise ValueError (shapes) or
+        TypeError (dtypes) naming the argument."""
+        return cls._from_checked(weight, weight_scale, weight_global, bias)
+
+    @classmethod
+    def _from_checked(
+        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None,
+        source: str = "from_checkpoint", names: tuple[str, str, str] = ("weight", "weight_scale", "weight_global"),
+    ) -> "Nvfp4Linear":
+        _check_checkpoint(source, names, weight, weight_scale, weight_global, bias)
         n, k = weight.shape[0], weight.shape[1] * 2
         mod = cls(k, n, bias=bias is not None, device=weight.device,
                   bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
@@ -95,15 +182,18 @@ class Nvfp4Linear(KeepsDtypes):
         cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, bias: Tensor | None = None
     ) -> "Nvfp4Linear":
         """NVIDIA ModelOpt tensors: ``weight``, ``weight_scale``, ``weight_scale_2`` (= amax / 2688)."""
-        return cls.from_checkpoint(weight, weight_scale, weight_scale_2, bias)
+        return cls._from_checked(weight, weight_scale, weight_scale_2, bias, "from_modelopt",
+                                 ("weight", "weight_scale", "weight_scale_2"))
 
     @classmethod
     def from_compressed_tensors(
         cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Tensor | None = None
     ) -> "Nvfp4Linear":
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
-        return cls.from_checkpoint(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale),
-                                   bias)
+        names = ("weight_packed", "weight_scale", "weight_global_scale")
+        _check_checkpoint("from_compressed_tensors", names, weight_packed, weight_scale, weight_global_scale, bias)
+        return cls._from_checked(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale),
+                                 bias, "from_compressed_tensors", names)
 
     def to_modelopt(self) -> dict[str, Tensor]:
         """The layer as NVIDIA ModelOpt checkpoint tensors (the inverse of
@@ -142,6 +232,9 @@ class Nvfp4Linear(KeepsDtypes):
     # ---- forward ----------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"Nvfp4Linear: argument 'x' must have {self.in_features} features (its last dimension), "
+                             f"got shape {list(x.shape)}")
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
@@ -164,12 +257,14 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     :class:`Nvfp4Linear` (``linear``, one global scale, as the checkpoint's
     one tensor).
 
-    Up to ``max_fused_rows`` rows of x (tokens times G) it runs as one
-    nvfp4_linear over all groups, every token's G slices against the whole
-    weight, and keeps the diagonal blocks: G times the products, but the
-    weight is read once, which is what decode is bound by. Above, it runs
-    :func:`lowbit.nvfp4_grouped_linear` (on CUDA one wgmma kernel, each
-    group on its own columns of x).
+    It runs :func:`lowbit.nvfp4_grouped_linear`, which on CUDA, up to
+    ``max_fused_rows`` rows of x (tokens times G), runs one nvfp4_linear
+    over all groups, every token's G slices against the whole weight, and
+    keeps the diagonal blocks: G times the products, but the weight is read
+    once, which is what decode is bound by; above, one wgmma kernel, each
+    group on its own columns of x. The choice is made inside the op, so a
+    graph traced or exported with a dynamic token count serves decode and
+    prefill alike.
     """
 
     # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
@@ -236,13 +331,8 @@ class Nvfp4GroupedLinear(KeepsDtypes):
         g, k, n = self.n_groups, self.in_features, self.out_features
         if x.dim() < 2 or x.shape[-2] != g or x.shape[-1] != k:
             raise ValueError(f"Nvfp4GroupedLinear: argument 'x' must have shape [..., {g}, {k}], got {list(x.shape)}")
-        lead = x.shape[:-2]
-        rows = x.reshape(-1, k)  # token t's group j at row t G + j
-        if rows.shape[0] <= self.max_fused_rows:
-            every = self.linear(rows).view(-1, g, g, n)  # [T, j, block, N]
-            return every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(*lead, g, n)
         lin = self.linear
-        return nvfp4_grouped_linear(x, lin.weight, lin.weight_scale, lin.weight_global, g)
+        return nvfp4_grouped_linear(x, lin.weight, lin.weight_scale, lin.weight_global, g, self.max_fused_rows)
 
     def extra_repr(self) -> str:
         return f"n_groups={self.n_groups}, in_features={self.in_features}, out_features={self.out_features} per group"
