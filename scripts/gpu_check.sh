@@ -1,68 +1,219 @@
 #!/usr/bin/env bash
 # The GPU script: on a fresh GPU machine (no network; its python3 has torch,
-# pytest and hypothesis) build everything, run the whole test suite on the
-# GPU, run the benchmarks, and print a short summary last. Logs and JSON go
-# to $OUT (or ./gpu-results).
+# pytest, pytest-xdist and hypothesis) build everything, run the whole test
+# suite on the GPU under pytest-xdist, optionally the benchmarks, write a
+# dated run record ($OUT/record.md) and print a short summary table last.
+# Logs and JSON go to $OUT (or ./gpu-results).
 #
-#   bash scripts/gpu_check.sh                       everything
-#   TESTS="tests/python/test_x.py" SUITES="quant" bash scripts/gpu_check.sh
-#   SUITES="" ...          skip benchmarks;  BENCH_ARGS=--quick  fewer shapes
-# The whole GPU test suite runs longer than one 10-minute device call (about
-# 60% of it in 8 minutes on an H200, session 36): give TESTS a part of it per
-# call. tests.log ends with the slowest tests, to plan the parts.
+#   bash scripts/gpu_check.sh                       build + C++ tests + the whole pytest suite
+#   WORKERS=6 bash scripts/gpu_check.sh             xdist workers (default 8; 0 or 1: one process)
+#   TESTS="tests/python/test_x.py" bash scripts/gpu_check.sh     a part of the suite
+#   TESTS="-m concurrency" ...                      only the concurrency test
+#   SUITES="quant linear router moe" BENCH_ARGS=--quick ...      benchmarks too (default: none)
+#   MODE=sanitize bash scripts/gpu_check.sh         compute-sanitizer (memcheck, racecheck,
+#                                                   synccheck, initcheck) over scripts/sanitize_ops.py
+#   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=90  sanitize: which tools, seconds per tool
+# With 8 workers the whole suite and the build fit in one 10-minute call on
+# an H100 (16 cores); tests.log ends with the slowest tests. The concurrency
+# test (tests/python/test_concurrency.py) runs in the suite; its table goes
+# to $OUT/concurrency.md.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 export PYTHON=${PYTHON:-python3}
 export JOBS=${JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
-SUITES=${SUITES-quant linear router moe}
+MODE=${MODE:-tests}
+WORKERS=${WORKERS:-8}
+SUITES=${SUITES-}
 TESTS=${TESTS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
+TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
+SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-120}
+BUILD_DIR=${BUILD_DIR:-build}
 # Build with the system compiler, whose libstdc++ is the one loaded at run
 # time (see docs/ARCHITECTURE.md, "Toolchain"); LOWBIT_CXX overrides it.
 export CXX=${LOWBIT_CXX:-$(command -v g++)}
 export CUDAHOSTCXX=$CXX
 if [[ -d .deps/gtest ]]; then export CMAKE_ARGS="${CMAKE_ARGS:-} -DGTEST_ROOT=$PWD/.deps/gtest"; fi
 
-summary=()
+summary=()   # "| phase | result | seconds |" rows
 failed=0
+run_start=$(date +%s)
+row() { summary+=("| $1 | $2 | $3 |"); }
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/gpu.txt"
+
+# ---- the run record (written at the end, and on a build failure) ----------
+write_record() {
+  local gpu driver torchv commit dirty
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  torchv=$("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null)
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  if [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then dirty="dirty (uncommitted changes)"; else dirty="clean"; fi
+  {
+    echo "# GPU run $(date -u +%Y-%m-%d) ($commit, $MODE)"
+    echo
+    echo "| | |"
+    echo "| --- | --- |"
+    echo "| date | $(date -u '+%Y-%m-%d %H:%M UTC') |"
+    echo "| commit | $commit, tree $dirty |"
+    echo "| GPU | ${gpu:-none} (driver ${driver:-?}) |"
+    echo "| torch | ${torchv:-?} |"
+    echo "| command | \`MODE=$MODE WORKERS=$WORKERS TESTS=\"$TESTS\" SUITES=\"$SUITES\" bash scripts/gpu_check.sh\` |"
+    [[ -n ${test_cmd:-} ]] && echo "| test command | \`$test_cmd\` |"
+    [[ -n ${test_counts:-} ]] && echo "| tests | $test_counts |"
+    [[ -n ${concurrency:-} ]] && echo "| concurrency test | $concurrency |"
+    echo "| wall time | $(( $(date +%s) - run_start )) s |"
+    echo
+    echo "| phase | result | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s\n' "${summary[@]}"
+    if [[ -s $OUT/concurrency.md ]]; then
+      echo
+      echo "## Concurrency test"
+      echo
+      cat "$OUT/concurrency.md"
+    fi
+    if [[ -n ${failed_tests:-} ]]; then
+      echo
+      echo "## Failed tests"
+      echo
+      echo '```'
+      echo "$failed_tests"
+      echo '```'
+    fi
+  } >"$OUT/record.md"
+}
+
+finish() {
+  write_record
+  echo "=== record: $OUT/record.md"
+  echo "=== summary"
+  echo "| phase | result | seconds |"
+  echo "| --- | --- | --- |"
+  printf '%s\n' "${summary[@]}"
+  exit "$failed"
+}
 
 start=$(date +%s)
 if ! bash run.sh build >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   echo "BUILD FAILED"
-  exit 1
+  failed=1
+  row build FAILED $(( $(date +%s) - start ))
+  finish
 fi
-summary+=("build: ok in $(( $(date +%s) - start )) s")
+row build ok $(( $(date +%s) - start ))
+LIB=$BUILD_DIR/liblowbit_ops.so
+[[ $LIB == /* ]] || LIB=$ROOT/$LIB
 
+# ---- sanitize ---------------------------------------------------------------
+if [[ $MODE == sanitize ]]; then
+  if ! command -v compute-sanitizer >/dev/null; then
+    for d in /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
+      [[ -x $d/compute-sanitizer ]] && PATH=$d:$PATH && break
+    done
+  fi
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer not found"
+    failed=1
+    row sanitize "compute-sanitizer not found" 0
+    finish
+  fi
+  compute-sanitizer --version | tail -1
+  for tool in $TOOLS; do
+    start=$(date +%s)
+    extra_env=()
+    # memcheck / initcheck: every tensor its own cudaMalloc, so an access
+    # past a tensor's end (or a read of bytes never written) is not hidden
+    # inside a block of PyTorch's caching allocator.
+    if [[ $tool == memcheck || $tool == initcheck ]]; then extra_env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); fi
+    # Only lowbit's kernels are checked (every one is in namespace lowbit):
+    # PyTorch's and cuBLAS's kernels run unchecked (their reports are not
+    # ours, and checking them costs time). API errors are not reported
+    # (PyTorch probes the driver with calls that may fail).
+    env "${extra_env[@]}" LOWBIT_OPS_LIBRARY="$LIB" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
+      timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" --kernel-name kns=lowbit \
+      --target-processes all --report-api-errors no --print-limit 20 --error-exitcode 3 \
+      "$PYTHON" scripts/sanitize_ops.py >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/sanitize_$tool.log" | awk '{s += $3} END {print s + 0}')
+    fails=$(grep -c '^FAIL ' "$OUT/sanitize_$tool.log")
+    if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+      result="timeout after ${SANITIZE_TIMEOUT} s ($errors errors so far)"
+    elif [[ $errors -gt 0 ]]; then
+      result="$errors errors"
+    elif [[ $rc -ne 0 ]]; then
+      result="clean, but the script failed (rc=$rc, $fails mismatched cases)"
+    else
+      result="clean"
+    fi
+    [[ $result == clean ]] || failed=1
+    row "sanitize $tool" "$result" $(( $(date +%s) - start ))
+    if [[ $result != clean ]]; then
+      echo "=== sanitize $tool: $result"
+      grep -E '^(FAIL|=========  *(Invalid|Race|Uninitialized|Barrier|Error|Warning))' "$OUT/sanitize_$tool.log" | head -15
+    fi
+  done
+  finish
+fi
+
+# ---- tests ------------------------------------------------------------------
 start=$(date +%s)
+xdist=()
+if [[ $WORKERS -gt 1 ]]; then
+  # loadgroup: the tests of one xdist_group (conftest.py: AOTInductor
+  # packages) on one worker; the rest spread test by test.
+  xdist=(-n "$WORKERS" --dist loadgroup)
+  # Share the cores: each worker's intra-op threads (and the concurrency
+  # test's processes) use nproc / WORKERS.
+  threads=$(( $(nproc) / WORKERS ))
+  export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+fi
+export LOWBIT_CONCURRENCY_REPORT=$OUT/concurrency.md
+rm -f "$OUT/concurrency.md"
+test_cmd="bash run.sh test -q -p no:cacheprovider --durations=15 ${xdist[*]} $TESTS"
 # shellcheck disable=SC2086
-bash run.sh test -q -p no:cacheprovider --durations=15 $TESTS >"$OUT/tests.log" 2>&1
+bash run.sh test -q -p no:cacheprovider --durations=15 "${xdist[@]}" $TESTS >"$OUT/tests.log" 2>&1
 rc=$?
-summary+=("tests: rc=$rc in $(( $(date +%s) - start )) s: $(grep -E '^[0-9]+ (passed|failed)|[0-9]+ passed|tests passed' "$OUT/tests.log" | tail -2 | tr '\n' ' ')")
+# pytest's last line: "N passed, M skipped, K failed ... in S s"
+last=$(grep -E ' in [0-9.]+s' "$OUT/tests.log" | grep -E '[0-9]+ (passed|failed|error|skipped)' | tail -1)
+count() { local n; n=$(echo "$last" | grep -oE "[0-9]+ $1" | head -1 | awk '{print $1}'); echo "${n:-0}"; }
+test_counts="$(count passed) passed, $(count failed) failed, $(count skipped) skipped, $(count 'errors?') errors"
+ctest_line=$(grep -E 'tests passed, [0-9]+ tests failed' "$OUT/tests.log" | tail -1)
+[[ -n $ctest_line ]] && row "C++ tests (ctest)" "$ctest_line" "-"
+row "pytest (${WORKERS} workers)" "rc=$rc: $test_counts" $(( $(date +%s) - start ))
 if [[ $rc -ne 0 ]]; then
   failed=1
-  grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -30
+  failed_tests=$(grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -30)
+  echo "$failed_tests"
 fi
+if [[ -s $OUT/concurrency.md ]]; then
+  if grep -q '^no failures' "$OUT/concurrency.md"; then concurrency="passed ($(head -1 "$OUT/concurrency.md" | cut -c1-120)...)"
+  else concurrency="FAILED (see the table below)"; fi
+elif grep -qE 'SKIPPED.*test_concurrency.py|test_concurrency.py.*SKIPPED' "$OUT/tests.log"; then concurrency="skipped"
+else concurrency="not run"; fi
+row "concurrency test" "${concurrency%% (*}" "-"
 
+# ---- benchmarks (SUITES) ----------------------------------------------------
 : >"$OUT/bench.log"
 for suite in $SUITES; do
   if [[ ! -f python/lowbit/bench/$suite.py ]]; then continue; fi
   start=$(date +%s)
   # shellcheck disable=SC2086
   if bash run.sh bench "$suite" --json "$OUT/bench_$suite.json" $BENCH_ARGS >>"$OUT/bench.log" 2>&1; then
-    summary+=("bench $suite: ok in $(( $(date +%s) - start )) s")
+    row "bench $suite" ok $(( $(date +%s) - start ))
   else
     failed=1
-    summary+=("bench $suite: FAILED (see bench.log)")
+    row "bench $suite" "FAILED (see bench.log)" $(( $(date +%s) - start ))
   fi
 done
-
-echo "=== benchmarks"
-cat "$OUT/bench.log"
-echo "=== summary"
-printf '%s\n' "${summary[@]}"
-exit $failed
+if [[ -s $OUT/bench.log ]]; then
+  echo "=== benchmarks"
+  cat "$OUT/bench.log"
+fi
+finish
