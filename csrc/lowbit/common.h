@@ -45,6 +45,13 @@ LOWBIT_HD float bits_float(uint32_t u) {
 #endif
 }
 
+// The GPU code this library builds: sm_90a. Its arch-specific instructions
+// (wgmma, setmaxnreg, tensor-copy multicast) run on compute capability 9.0
+// only, so a CUDA kernel may be launched on a GPU iff this is true; later
+// GPUs (Blackwell 10.x / 12.x) need code built for them (a future backend).
+constexpr const char* kCudaArchBuilt = "sm_90a";
+constexpr bool gpu_arch_supported(int major, int minor) { return major == 9 && minor == 0; }
+
 LOWBIT_HD bool is_nan(float x) { return x != x; }
 
 // max(|a|, b) that propagates NaN from either side: once a NaN is seen the

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cuda_checks.h"
 #include "lowbit/nvfp4_gemm.h"
 #include "nvfp4_linear_ops.h"
 
@@ -21,11 +22,7 @@ namespace {
 
 namespace gemm = nvfp4::gemm;
 
-void check_sm90(const at::Tensor& t, const char* op) {
-  const auto* props = at::cuda::getDeviceProperties(t.device().index());
-  TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 9, "lowbit.", op, ": the CUDA kernels need compute capability 9.0 "
-                              "(Hopper, built for sm_90a), got ", props->major, ".", props->minor);
-}
+void check_sm90(const at::Tensor& t, const char* op) { check_supported_gpu(t, op); }
 
 std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const at::Tensor& weight_scale) {
   check_prepack(weight, weight_scale);

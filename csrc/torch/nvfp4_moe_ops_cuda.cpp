@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cuda_checks.h"
 #include "lowbit/nvfp4_moe.h"
 #include "nvfp4_moe_ops.h"
 
@@ -22,9 +23,7 @@ at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const a
                     const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
                     c10::optional<double> swiglu_limit) {
   check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
-  const auto* props = at::cuda::getDeviceProperties(x.device().index());
-  TORCH_CHECK_NOT_IMPLEMENTED(props->major >= 9, "lowbit.nvfp4_moe: the CUDA kernels need compute capability 9.0 "
-                              "(Hopper, built for sm_90a), got ", props->major, ".", props->minor);
+  check_supported_gpu(x, "nvfp4_moe");
   TORCH_CHECK_VALUE(w13.size(0) <= kMaxExperts, "lowbit.nvfp4_moe: argument 'w13' may hold at most ", kMaxExperts,
                     " experts on CUDA, got ", w13.size(0));
   c10::cuda::CUDAGuard guard(x.device());

@@ -1,7 +1,29 @@
-// Host-side CUDA helpers that need no GPU to check: the shared-memory
-// padding that caps resident CTAs per SM (without a device the helpers use
-// the H100's attributes).
+// Host-side CUDA helpers that need no GPU to check: which GPUs the built
+// kernels run on, and the shared-memory padding that caps resident CTAs per
+// SM (without a device the helpers use the H100's attributes).
 #include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+
+#include "lowbit/common.h"
+
+namespace {
+
+// The kernels are built for sm_90a, whose arch-specific instructions
+// (wgmma, setmaxnreg) run on compute capability 9.0 only: not on earlier
+// GPUs, and not on Blackwell (10.x, 12.x) or anything later.
+TEST(CudaUtils, OnlyComputeCapability90RunsTheKernels) {
+  EXPECT_TRUE(lowbit::gpu_arch_supported(9, 0));
+  const std::pair<int, int> others[] = {{7, 0}, {7, 5}, {8, 0}, {8, 6}, {8, 9}, {9, 1}, {10, 0},
+                                       {10, 1}, {10, 3}, {11, 0}, {12, 0}, {12, 1}, {13, 0}};
+  for (auto [major, minor] : others) {
+    EXPECT_FALSE(lowbit::gpu_arch_supported(major, minor)) << major << "." << minor;
+  }
+  EXPECT_EQ(std::string(lowbit::kCudaArchBuilt), "sm_90a");
+}
+
+}  // namespace
 
 #if defined(LOWBIT_WITH_CUDA)
 namespace lowbit::cuda {
