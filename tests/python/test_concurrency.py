@@ -314,15 +314,16 @@ def add_linear_cases(b: Builder):
 
 
 def add_grouped_linear_cases(b: Builder):
-    # One wgmma kernel over all groups where N / G and K are multiples of 128
-    # and M <= 1024; else the weight unpacked + a batched matmul.
+    # Up to 256 rows of x (tokens x G): one nvfp4_linear over all groups,
+    # the diagonal blocks kept; above, one wgmma kernel over all groups where
+    # N / G and K are multiples of 128 and M <= 1024; else the weight
+    # unpacked + a batched matmul (csrc/torch/nvfp4_linear_ops_cuda.cpp).
     G = 4
-    for gn, k, ms in ((256, 512, (8, 300, 1100)), (48, 400, (8,))):
-        if b.small and gn == 256:
-            ms = (8, 1100)
+    for gn, k, ms in ((256, 512, (8, 300, 1100)), (48, 400, (8, 100))):
         w = LinearWeight(b, G * gn, k)
         for m in ms:
-            form = "wgmma" if gn % 128 == 0 and k % 128 == 0 and m <= 1024 else "unpack + bmm"
+            form = ("fused Linear over all groups" if m * G <= 256
+                    else "wgmma" if gn % 128 == 0 and k % 128 == 0 and m <= 1024 else "unpack + bmm")
             x = b.randn(m, G, k, gen=b.gen("grouped x", gn, k, m), dtype=torch.bfloat16)
 
             def check(out, w=w, x=x, gn=gn, k=k, m=m):
