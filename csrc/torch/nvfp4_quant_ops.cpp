@@ -4,6 +4,8 @@
 
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "checks.h"
 
 namespace lowbit::ops {
@@ -34,6 +36,14 @@ c10::SymDimVector global_shape(const at::Tensor& t) {
 }
 
 }  // namespace
+
+void check_global_scale_values_cpu(const at::Tensor& global_scale) {
+  const at::Tensor g = global_scale.contiguous();
+  const float* v = g.data_ptr<float>();
+  for (int64_t i = 0; i < g.numel(); ++i)
+    TORCH_CHECK_VALUE(v[i] > 0.f && std::isfinite(v[i]), "lowbit.", kQuantize,
+                      ": argument 'global_scale' must be positive and finite, got ", v[i], " at index ", i);
+}
 
 std::tuple<at::Tensor, c10::optional<at::Tensor>> prepare_quantize(const at::Tensor& input,
                                                                     const c10::optional<at::Tensor>& global_scale) {
@@ -115,6 +125,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& input,
                                                             const c10::optional<at::Tensor>& global_scale) {
   auto [x, gs] = prepare_quantize(input, global_scale);
+  if (gs.has_value()) check_global_scale_values_cpu(*gs);
   auto out = empty_quantize_outputs(x);
   nvfp4::quantize_cpu(quantize_args(x, gs, out));
   return out;
@@ -127,6 +138,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_meta(const at::Tensor& i
   check_last_dim_multiple(input, nvfp4::kBlockSize, kQuantize, "input");
   if (global_scale.has_value()) {
     check_dtype(*global_scale, kQuantize, "global_scale", {at::kFloat});
+    // A meta tensor beside a real one selects this kernel: refuse the mix as
+    // the CPU and CUDA kernels do.
+    check_same_device(*global_scale, input, kQuantize, "global_scale", "input");
     check_shape(*global_scale, global_shape(input), kQuantize, "global_scale");
   }
   return empty_quantize_outputs(input);

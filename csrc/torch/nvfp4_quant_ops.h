@@ -15,6 +15,11 @@ namespace lowbit::ops {
 std::tuple<at::Tensor, c10::optional<at::Tensor>> prepare_quantize(const at::Tensor& input,
                                                                     const c10::optional<at::Tensor>& global_scale);
 
+// A caller-given global scale must be positive and finite: raises
+// ValueError naming the first bad value. Reads the values, so it runs on
+// host tensors only (the CUDA kernel turns such scales into NaN instead).
+void check_global_scale_values_cpu(const at::Tensor& global_scale);
+
 // (packed, block_scale, global_scale) outputs for `input`, SymInt-aware.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> empty_quantize_outputs(const at::Tensor& input);
 

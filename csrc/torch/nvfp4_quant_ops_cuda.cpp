@@ -5,7 +5,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "checks.h"
+#include "cuda_checks.h"
 #include "nvfp4_quant_ops.h"
 
 namespace lowbit::ops {
@@ -13,8 +16,16 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& input,
                                                              const c10::optional<at::Tensor>& global_scale) {
+  check_supported_gpu(input, "nvfp4_quantize");
   auto [x, gs] = prepare_quantize(input, global_scale);
   c10::cuda::CUDAGuard guard(x.device());
+  // A given scale that is not positive would negate or zero the tensor.
+  // Checking it here would read it on the host (a sync, which CUDA graphs
+  // cannot capture), so such a scale becomes NaN on the device: the NaN
+  // propagates to the block scales and the returned global scale, and the
+  // tensor dequantizes to NaN. (+inf already does: its codes are zeros
+  // times an infinite scale.) The CPU kernel raises ValueError instead.
+  if (gs.has_value()) gs = at::where(*gs > 0, *gs, std::numeric_limits<float>::quiet_NaN());
   auto out = empty_quantize_outputs(x);
   auto args = quantize_args(x, gs, out);
   at::Tensor amax;
@@ -28,6 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& i
 
 at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& block_scale, const at::Tensor& global_scale,
                            c10::optional<at::ScalarType> out_dtype) {
+  check_supported_gpu(packed, "nvfp4_dequantize");
   const auto dtype = dequantize_dtype(out_dtype);
   check_dequantize(packed, block_scale, global_scale, dtype);
   c10::cuda::CUDAGuard guard(packed.device());

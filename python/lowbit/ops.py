@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._autograd import register_inference_only
+
 
 class Nvfp4Tensor(NamedTuple):
     """An NVFP4 tensor in checkpoint layout.
@@ -33,7 +35,15 @@ def nvfp4_quantize(input: Tensor, global_scale: Tensor | None = None) -> Nvfp4Te
     bf16/fp16/fp32) to NVFP4 with the reference rule of csrc/lowbit/nvfp4_format.h.
 
     ``global_scale`` ([] or [E], float32, amax / 2688 convention) is computed
-    per tensor / per expert from the data unless given.
+    per tensor / per expert from the data unless given. A given scale must be
+    positive and finite: on CPU anything else raises ValueError; on CUDA the
+    value is not read on the host (that would synchronize, and CUDA graphs
+    could not capture it), so a scale that is zero, negative or NaN becomes
+    NaN: the returned global and block scales are NaN and the tensor
+    dequantizes to NaN (as with +inf). Check such scales before the call if
+    they can be bad.
+
+    Not differentiable: asking for a gradient through it raises.
     """
     packed, block_scale, gscale = torch.ops.lowbit.nvfp4_quantize(input, global_scale)
     return Nvfp4Tensor(packed, block_scale, gscale)
@@ -43,5 +53,15 @@ def nvfp4_dequantize(
     packed: Tensor, block_scale: Tensor, global_scale: Tensor, out_dtype: torch.dtype | None = None
 ) -> Tensor:
     """Dequantizes an NVFP4 tensor to ``out_dtype`` (float32 by default, or
-    bfloat16 / float16): value = e2m1 * float(block_scale) * global_scale."""
+    bfloat16 / float16): value = e2m1 * float(block_scale) * global_scale.
+    Not differentiable: asking for a gradient through it raises."""
     return torch.ops.lowbit.nvfp4_dequantize(packed, block_scale, global_scale, out_dtype)
+
+
+# Inference ops: a gradient asked through them raises a clear error instead
+# of PyTorch's fallback (a warning and None gradients). nvfp4_unpack (the
+# Linear family's dequantize of the prepacked layout) is registered here as
+# well: its only differentiable input is the global scale, as dequantize's.
+register_inference_only("nvfp4_quantize")
+register_inference_only("nvfp4_dequantize")
+register_inference_only("nvfp4_unpack")

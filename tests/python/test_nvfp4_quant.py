@@ -193,6 +193,64 @@ def test_bad_inputs_raise_clear_errors():
         lowbit.nvfp4_dequantize(q.packed, q.block_scale.float(), q.global_scale)
 
 
+def test_given_global_scale_must_be_positive_and_finite():
+    x = torch.randn(4, 32)
+    for bad in (-0.5, 0.0, -0.0, float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=r"'global_scale' must be positive and finite, got .* at index 0"):
+            lowbit.nvfp4_quantize(x, torch.tensor(bad))
+    scales = torch.tensor([0.5, 1.0, -2.0])
+    with pytest.raises(ValueError, match=r"'global_scale' must be positive and finite, got -2 at index 2"):
+        lowbit.nvfp4_quantize(torch.randn(3, 4, 32), scales)
+    # the smallest positive scale is accepted (it saturates, as documented)
+    lowbit.nvfp4_quantize(x, torch.tensor(torch.finfo(torch.float32).tiny))
+
+
+def test_arguments_on_mixed_devices_raise_device_error():
+    # A meta tensor beside a CPU tensor selects the Meta kernel, which must
+    # refuse the mix as the CPU and CUDA kernels do, not return empty memory.
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"'global_scale' must be on the device of 'input' \(cpu\), got meta"):
+        lowbit.nvfp4_quantize(x, torch.ones((), device="meta"))
+    with pytest.raises(ValueError, match=r"'global_scale' must be on the device of 'input' \(meta\), got cpu"):
+        lowbit.nvfp4_quantize(x.to("meta"), torch.ones(()))
+    q = lowbit.nvfp4_quantize(x)
+    with pytest.raises(ValueError, match=r"'block_scale' must be on the device of 'packed' \(cpu\), got meta"):
+        lowbit.nvfp4_dequantize(q.packed, q.block_scale.to("meta"), q.global_scale)
+    with pytest.raises(ValueError, match=r"'global_scale' must be on the device of 'packed' \(cpu\), got meta"):
+        lowbit.nvfp4_dequantize(q.packed, q.block_scale, q.global_scale.to("meta"))
+
+
+def test_format_ops_have_no_backward():
+    # Rounding to NVFP4 has no useful gradient: asking for one raises a clear
+    # error instead of PyTorch's fallback (a warning and None gradients).
+    x = torch.randn(16, 256, requires_grad=True)
+    q = lowbit.nvfp4_quantize(x)
+    assert q.global_scale.requires_grad
+    with pytest.raises(NotImplementedError, match=r"lowbit.nvfp4_quantize has no backward \(an inference op\)"):
+        q.global_scale.sum().backward()
+    q = lowbit.nvfp4_quantize(x.detach())
+    gs = q.global_scale.clone().requires_grad_()
+    y = lowbit.nvfp4_dequantize(q.packed, q.block_scale, gs)
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match=r"lowbit.nvfp4_dequantize has no backward \(an inference op\)"):
+        y.sum().backward()
+    w, s = lowbit.nvfp4_prepack(q.packed, q.block_scale)
+    y = lowbit.nvfp4_unpack(w, s, gs, 256, torch.float32)
+    assert y.requires_grad
+    with pytest.raises(NotImplementedError, match=r"lowbit.nvfp4_unpack has no backward \(an inference op\)"):
+        y.sum().backward()
+    # without inputs that require grad nothing changes
+    assert not lowbit.nvfp4_dequantize(*q).requires_grad
+
+
+def test_format_ops_compile_with_inputs_that_require_grad():
+    def f(x):
+        return lowbit.nvfp4_dequantize(*lowbit.nvfp4_quantize(x))
+
+    x = torch.randn(8, 64, requires_grad=True)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x.detach()))
+
+
 def test_opcheck():
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.lowbit.nvfp4_quantize.default, (x,))
@@ -314,6 +372,31 @@ def test_cuda_misaligned_and_empty_inputs():
 def test_cuda_wrong_device_arguments():
     with pytest.raises(ValueError, match=r"'global_scale' must be on the device of 'input'"):
         lowbit.nvfp4_quantize(torch.randn(4, 16, device="cuda"), torch.tensor(1.0))
+
+
+@cuda
+def test_cuda_nonpositive_given_scale_dequantizes_to_nan():
+    # On the GPU the scale's value is not read on the host (no sync): a scale
+    # that is not positive gives NaN block and global scales, never a
+    # negated or zeroed tensor.
+    x = torch.randn(2, 4, 64, device="cuda")
+    q = lowbit.nvfp4_quantize(x, torch.tensor([0.01, -0.01], device="cuda"))
+    assert q.global_scale[0].item() == pytest.approx(0.01) and torch.isnan(q.global_scale[1])
+    y = lowbit.nvfp4_dequantize(*q)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+    for bad in (0.0, -0.0, float("nan")):
+        y = lowbit.nvfp4_dequantize(*lowbit.nvfp4_quantize(x[0], torch.tensor(bad, device="cuda")))
+        assert torch.isnan(y).all()
+
+
+@cuda
+def test_cuda_format_ops_refuse_mixed_devices():
+    x = torch.randn(4, 32, device="cuda")
+    q = lowbit.nvfp4_quantize(x)
+    with pytest.raises(ValueError, match=r"'block_scale' must be on the device of 'packed'"):
+        lowbit.nvfp4_dequantize(q.packed, q.block_scale.cpu(), q.global_scale)
+    with pytest.raises(ValueError, match=r"'global_scale' must be on the device of 'input'"):
+        lowbit.nvfp4_quantize(x.cpu(), torch.ones((), device="cuda"))
 
 
 @cuda
