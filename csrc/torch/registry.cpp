@@ -35,13 +35,15 @@ TORCH_LIBRARY(lowbit, m) {
   //                 logits in float32 (GPU: cuBLAS, float32 out, then route).
   //   hash_router:  token_ids [M] int64/int32, tid2eid [V, k] int32; weights
   //                 from the gate logits [M, E] (weighting "gate") or 1/k
-  //                 ("uniform"). Bad ids raise on CPU; on the GPU that
+  //                 ("uniform"). E is the width of logits, else n_experts
+  //                 (required then). A token id outside [0, V) or a table
+  //                 entry outside [0, E) raises on CPU; on the GPU that
   //                 token gets ids -1 and weights 0.
   //   topk:         input [R, C] float32/bf16, C <= 131072, k <= 2048 ->
   //                 (values [R, k] input dtype, indices int32 [R, k]).
   m.def("route(Tensor logits, Tensor? bias, int k, str score_func=\"sqrtsoftplus\", int n_group=1, int topk_group=1, bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
   m.def("dense_router(Tensor hidden, Tensor weight, Tensor? bias, int k, str score_func=\"sqrtsoftplus\", int n_group=1, int topk_group=1, bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
-  m.def("hash_router(Tensor token_ids, Tensor tid2eid, Tensor? logits, str score_func=\"sqrtsoftplus\", str weighting=\"gate\", bool renormalize=True, float routed_scaling_factor=1.0) -> (Tensor, Tensor)");
+  m.def("hash_router(Tensor token_ids, Tensor tid2eid, Tensor? logits, str score_func=\"sqrtsoftplus\", str weighting=\"gate\", bool renormalize=True, float routed_scaling_factor=1.0, int? n_experts=None) -> (Tensor, Tensor)");
   m.def("topk(Tensor input, int k) -> (Tensor, Tensor)");
 
   // NVFP4 format (nvfp4_quant_ops.cpp). input [N, K] or stacked experts

@@ -60,12 +60,13 @@ RouteOptions check_route(const char* op, const at::Tensor& logits, const c10::op
   return o;
 }
 
-void check_dense_router(const at::Tensor& hidden, const at::Tensor& weight) {
+void check_dense_router(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   check_dtype(hidden, kDense, "hidden", {at::kBFloat16, at::kFloat});
   check_dims(hidden, kDense, "hidden", {2});
   check_dtype(weight, kDense, "weight", {hidden.scalar_type()});
   check_dims(weight, kDense, "weight", {2});
   check_same_device(weight, hidden, kDense, "weight", "hidden");
+  if (bias.has_value()) check_same_device(*bias, hidden, kDense, "bias", "hidden");
   TORCH_CHECK_VALUE(weight.sym_size(1) == hidden.sym_size(1), "lowbit.", kDense,
                     ": argument 'weight' must have shape [E, ", hidden.sym_size(1), "] (H of 'hidden'), got ",
                     weight.sym_sizes());
@@ -95,9 +96,13 @@ routing::RouteArgs route_args(const at::Tensor& logits, const c10::optional<at::
   return a;
 }
 
+int64_t hash_experts(const HashOptions& o, const c10::optional<at::Tensor>& logits) {
+  return logits.has_value() ? logits->size(1) : o.experts;
+}
+
 HashOptions check_hash_router(const at::Tensor& token_ids, const at::Tensor& tid2eid,
                               const c10::optional<at::Tensor>& logits, c10::string_view score_func,
-                              c10::string_view weighting) {
+                              c10::string_view weighting, double scale, c10::optional<int64_t> n_experts) {
   check_dtype(token_ids, kHash, "token_ids", {at::kLong, at::kInt});
   check_dims(token_ids, kHash, "token_ids", {1});
   check_dtype(tid2eid, kHash, "tid2eid", {at::kInt});
@@ -105,7 +110,7 @@ HashOptions check_hash_router(const at::Tensor& token_ids, const at::Tensor& tid
   check_same_device(tid2eid, token_ids, kHash, "tid2eid", "token_ids");
   TORCH_CHECK_VALUE(tid2eid.sym_size(1) >= 1, "lowbit.", kHash, ": argument 'tid2eid' must have k >= 1 columns, got shape ",
                     tid2eid.sym_sizes());
-  HashOptions o{parse_score_func(kHash, score_func, false), routing::HashWeighting::kGate};
+  HashOptions o{parse_score_func(kHash, score_func, false), routing::HashWeighting::kGate, 0};
   if (weighting == "uniform") {
     o.weighting = routing::HashWeighting::kUniform;
   } else {
@@ -122,6 +127,24 @@ HashOptions check_hash_router(const at::Tensor& token_ids, const at::Tensor& tid
                       ": argument 'logits' must have shape [", token_ids.sym_size(0), ", E] (M of 'token_ids'), got ",
                       logits->sym_sizes());
   }
+  // E bounds the table's entries; the ids are checked against it (on the
+  // GPU in the kernel or after it, without reading them on the host).
+  if (n_experts.has_value()) {
+    TORCH_CHECK_VALUE(*n_experts >= 1 && *n_experts <= std::numeric_limits<int32_t>::max(), "lowbit.", kHash,
+                      ": argument 'n_experts' must be in [1, ", std::numeric_limits<int32_t>::max(), "], got ",
+                      *n_experts);
+    if (logits.has_value())
+      TORCH_CHECK_VALUE(logits->sym_size(1) == *n_experts, "lowbit.", kHash, ": argument 'n_experts' (", *n_experts,
+                        ") must equal the experts of 'logits' (", logits->sym_size(1), "), got shape ",
+                        logits->sym_sizes());
+    o.experts = *n_experts;
+  } else {
+    TORCH_CHECK_VALUE(logits.has_value(), "lowbit.", kHash,
+                      ": argument 'n_experts' is required with weighting='uniform' and no 'logits' (the table's "
+                      "expert ids are checked against it)");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(scale), "lowbit.", kHash, ": argument 'routed_scaling_factor' must be finite, got ",
+                    scale);
   return o;
 }
 
@@ -139,10 +162,10 @@ routing::HashRouteArgs hash_args(const at::Tensor& token_ids, const at::Tensor& 
   a.weighting = o.weighting;
   a.renormalize = renormalize;
   a.routed_scaling_factor = static_cast<float>(scale);
+  a.experts = hash_experts(o, logits);
   if (logits.has_value()) {
     a.logits = logits->data_ptr();
     a.logits_dtype = to_lowbit_dtype(logits->scalar_type());
-    a.experts = logits->size(1);
   }
   a.weights = std::get<0>(out).data_ptr<float>();
   a.ids = std::get<1>(out).data_ptr<int32_t>();
@@ -178,9 +201,11 @@ topk::TopkArgs topk_args(const at::Tensor& input, int64_t k, std::tuple<at::Tens
 
 namespace {
 
-RouteOut route_cpu(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
-                   c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
-  auto o = check_route(kRoute, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+// `op` names the op the caller called (route, or dense_router on its logits).
+RouteOut route_cpu_as(const char* op, const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
+                      c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize,
+                      double scale) {
+  auto o = check_route(op, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
   auto x = logits.contiguous();
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
@@ -189,53 +214,74 @@ RouteOut route_cpu(const at::Tensor& logits, const c10::optional<at::Tensor>& bi
   return out;
 }
 
+RouteOut route_cpu(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
+                   c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
+  return route_cpu_as(kRoute, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+}
+
+RouteOut route_meta_as(const char* op, const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
+                       c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize,
+                       double scale) {
+  check_route(op, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  return empty_route_outputs(logits, logits.sym_size(0), k);
+}
+
 RouteOut route_meta(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
                     c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
-  check_route(kRoute, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
-  return empty_route_outputs(logits, logits.sym_size(0), k);
+  return route_meta_as(kRoute, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
 }
 
 RouteOut dense_router_cpu(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           int64_t k, c10::string_view score_func, int64_t n_group, int64_t topk_group,
                           bool renormalize, double scale) {
-  check_dense_router(hidden, weight);
+  check_dense_router(hidden, weight, bias);
   // Gate logits in float32 (products of bf16 values are exact in float32).
   auto logits = at::matmul(hidden.to(at::kFloat), weight.to(at::kFloat).t()).contiguous();
-  return route_cpu(logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  return route_cpu_as(kDense, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
 }
 
 RouteOut dense_router_meta(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                            int64_t k, c10::string_view score_func, int64_t n_group, int64_t topk_group,
                            bool renormalize, double scale) {
-  check_dense_router(hidden, weight);
+  check_dense_router(hidden, weight, bias);
   auto logits = at::empty_symint({hidden.sym_size(0), weight.sym_size(0)}, hidden.options().dtype(at::kFloat));
-  return route_meta(logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
+  return route_meta_as(kDense, logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
 }
 
 RouteOut hash_router_cpu(const at::Tensor& token_ids, const at::Tensor& tid2eid, const c10::optional<at::Tensor>& logits,
-                         c10::string_view score_func, c10::string_view weighting, bool renormalize, double scale) {
-  auto o = check_hash_router(token_ids, tid2eid, logits, score_func, weighting);
+                         c10::string_view score_func, c10::string_view weighting, bool renormalize, double scale,
+                         c10::optional<int64_t> n_experts) {
+  auto o = check_hash_router(token_ids, tid2eid, logits, score_func, weighting, scale, n_experts);
   auto ids = token_ids.contiguous();
   auto table = tid2eid.contiguous();
   c10::optional<at::Tensor> x;
   if (logits.has_value()) x = logits->contiguous();
   auto out = empty_route_outputs(ids, ids.sym_size(0), table.sym_size(1));
-  const int64_t bad = routing::hash_route_cpu(hash_args(ids, table, x, o, renormalize, scale, out));
+  int64_t bad = routing::hash_route_cpu(hash_args(ids, table, x, o, renormalize, scale, out));
+  if (bad < 0 && o.weighting == routing::HashWeighting::kUniform) {
+    // The core checks the ids it gathers logits with; uniform weights
+    // gather none, so the ids are checked here.
+    const int32_t* out_ids = std::get<1>(out).data_ptr<int32_t>();
+    const int64_t k = table.size(1);
+    const int64_t experts = hash_experts(o, x);
+    for (int64_t i = 0; i < std::get<1>(out).numel() && bad < 0; ++i)
+      if (out_ids[i] < 0 || out_ids[i] >= experts) bad = i / k;
+  }
   if (bad >= 0) {
     const int64_t tid = ids.scalar_type() == at::kLong ? ids.data_ptr<int64_t>()[bad] : ids.data_ptr<int32_t>()[bad];
     TORCH_CHECK_VALUE(tid >= 0 && tid < table.size(0), "lowbit.", kHash, ": argument 'token_ids' holds ", tid,
                       " at position ", bad, ", outside the table's vocabulary [0, ", table.size(0), ")");
-    const int64_t experts = x.has_value() ? x->size(1) : 0;
     TORCH_CHECK_VALUE(false, "lowbit.", kHash, ": argument 'tid2eid' row ", tid, " (token_ids position ", bad,
-                      ") holds an expert id outside [0, ", experts, ")");
+                      ") holds an expert id outside [0, ", hash_experts(o, x), ")");
   }
   return out;
 }
 
 RouteOut hash_router_meta(const at::Tensor& token_ids, const at::Tensor& tid2eid,
                           const c10::optional<at::Tensor>& logits, c10::string_view score_func,
-                          c10::string_view weighting, bool renormalize, double scale) {
-  check_hash_router(token_ids, tid2eid, logits, score_func, weighting);
+                          c10::string_view weighting, bool renormalize, double scale,
+                          c10::optional<int64_t> n_experts) {
+  check_hash_router(token_ids, tid2eid, logits, score_func, weighting, scale, n_experts);
   return empty_route_outputs(token_ids, token_ids.sym_size(0), tid2eid.sym_size(1));
 }
 

@@ -26,7 +26,9 @@ struct RouteOptions {
 RouteOptions check_route(const char* op, const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
                          c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize,
                          double scale);
-void check_dense_router(const at::Tensor& hidden, const at::Tensor& weight);
+// hidden [M, H], weight [E, H] and bias [E] on hidden's device (the rest of
+// the options are check_route's, on the logits).
+void check_dense_router(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 RouteOut empty_route_outputs(const at::Tensor& like, const c10::SymInt& tokens, const c10::SymInt& k);
 
 // Core arguments; logits must be contiguous; pointers of outputs filled in.
@@ -36,10 +38,13 @@ routing::RouteArgs route_args(const at::Tensor& logits, const c10::optional<at::
 struct HashOptions {
   routing::ScoreFunc score_func;
   routing::HashWeighting weighting;
+  int64_t experts;  // n_experts when given (else 0: the width of logits)
 };
+// E, which the table's entries must lie under: n_experts, or logits' width.
+int64_t hash_experts(const HashOptions& o, const c10::optional<at::Tensor>& logits);
 HashOptions check_hash_router(const at::Tensor& token_ids, const at::Tensor& tid2eid,
                               const c10::optional<at::Tensor>& logits, c10::string_view score_func,
-                              c10::string_view weighting);
+                              c10::string_view weighting, double scale, c10::optional<int64_t> n_experts);
 routing::HashRouteArgs hash_args(const at::Tensor& token_ids, const at::Tensor& tid2eid,
                                  const c10::optional<at::Tensor>& logits, const HashOptions& o, bool renormalize,
                                  double scale, RouteOut& out);

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cuda_checks.h"
 #include "routing_ops.h"
 
 namespace lowbit::ops {
@@ -34,6 +35,7 @@ RouteOut launch_route(const at::Tensor& logits, const c10::optional<at::Tensor>&
 
 RouteOut route_cuda(const at::Tensor& logits, const c10::optional<at::Tensor>& bias, int64_t k,
                     c10::string_view score_func, int64_t n_group, int64_t topk_group, bool renormalize, double scale) {
+  check_supported_gpu(logits, "route");
   auto o = check_route("route", logits, bias, k, score_func, n_group, topk_group, renormalize, scale);
   c10::cuda::CUDAGuard guard(logits.device());
   return launch_route(logits.contiguous(), bias, o);
@@ -42,7 +44,8 @@ RouteOut route_cuda(const at::Tensor& logits, const c10::optional<at::Tensor>& b
 RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                            int64_t k, c10::string_view score_func, int64_t n_group, int64_t topk_group,
                            bool renormalize, double scale) {
-  check_dense_router(hidden, weight);
+  check_supported_gpu(hidden, "dense_router");
+  check_dense_router(hidden, weight, bias);
   c10::cuda::CUDAGuard guard(hidden.device());
   // Small M, bf16, aligned, route's fast path: lowbit's split-K tensor-core
   // gate GEMM, its float32 partial sums added in split order by the routing
@@ -71,8 +74,10 @@ RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, c
 
 RouteOut hash_router_cuda(const at::Tensor& token_ids, const at::Tensor& tid2eid,
                           const c10::optional<at::Tensor>& logits, c10::string_view score_func,
-                          c10::string_view weighting, bool renormalize, double scale) {
-  auto o = check_hash_router(token_ids, tid2eid, logits, score_func, weighting);
+                          c10::string_view weighting, bool renormalize, double scale,
+                          c10::optional<int64_t> n_experts) {
+  check_supported_gpu(token_ids, "hash_router");
+  auto o = check_hash_router(token_ids, tid2eid, logits, score_func, weighting, scale, n_experts);
   c10::cuda::CUDAGuard guard(token_ids.device());
   auto ids = token_ids.contiguous();
   auto table = tid2eid.contiguous();
@@ -81,10 +86,20 @@ RouteOut hash_router_cuda(const at::Tensor& token_ids, const at::Tensor& tid2eid
   auto out = empty_route_outputs(ids, ids.sym_size(0), table.sym_size(1));
   C10_CUDA_CHECK(routing::hash_route_cuda(hash_args(ids, table, x, o, renormalize, scale, out),
                                           c10::cuda::getCurrentCUDAStream()));
+  if (o.weighting == routing::HashWeighting::kUniform) {
+    // The kernel checks the ids it gathers logits with; uniform weights
+    // gather none, so a token whose row holds an id outside [0, E) gets ids
+    // -1 and weights 0 here, as in gate mode (on the device: no sync).
+    auto& [w, out_ids] = out;
+    const at::Tensor bad = out_ids.lt(0).logical_or_(out_ids.ge(hash_experts(o, x))).any(1, /*keepdim=*/true);
+    out_ids.masked_fill_(bad, -1);
+    w.masked_fill_(bad, 0.0);
+  }
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& input, int64_t k) {
+  check_supported_gpu(input, "topk");
   check_topk(input, k);
   c10::cuda::CUDAGuard guard(input.device());
   auto x = input.contiguous();

@@ -72,20 +72,26 @@ def hash_router(
     weighting: Literal["gate", "uniform"] = "gate",
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    n_experts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DeepSeek-V4 hash router: ids = tid2eid[token_ids] (table int32 [V, k]).
 
     With ``weighting="gate"`` (the reference model) the weights are the gate's
     scores ``score_func(logits[m, id])`` (logits [M, E] from the learned gate),
     normalized and scaled as in :func:`route`; ``"uniform"`` gives
-    ``routed_scaling_factor / k`` and ignores ``logits``.
+    ``routed_scaling_factor / k`` and uses ``logits`` only for E.
 
-    A token id outside [0, V) or a table entry outside [0, E) raises
-    ValueError on CPU; on the GPU nothing is read out of bounds and that
-    token's ids are -1 and weights 0 (check ``(ids < 0).any()`` if needed).
+    E, the number of experts, is the width of ``logits``, else ``n_experts``
+    (required with ``weighting="uniform"`` and no logits; if both are given
+    they must agree). A token id outside [0, V) or a table entry outside
+    [0, E) raises ValueError on CPU; on the GPU (where raising would need a
+    host sync) nothing is read out of bounds and that token's ids are -1 and
+    weights 0 (check ``(ids < 0).any()`` if needed; :class:`lowbit.nn.Router`
+    validates its table once, when it is set). ``routed_scaling_factor``
+    must be finite.
     """
     return torch.ops.lowbit.hash_router(
-        token_ids, tid2eid, logits, score_func, weighting, renormalize, routed_scaling_factor
+        token_ids, tid2eid, logits, score_func, weighting, renormalize, routed_scaling_factor, n_experts
     )
 
 

@@ -182,9 +182,61 @@ def test_hash_router_matches_reference(score_func, id_dtype):
 def test_hash_router_uniform_weighting():
     table = torch.tensor([[3, 1], [0, 2], [2, 2]], dtype=torch.int32)
     tids = torch.tensor([2, 0, 1, 0])
-    w, ids = lowbit.hash_router(tids, table, None, weighting="uniform", routed_scaling_factor=3.0)
+    w, ids = lowbit.hash_router(tids, table, None, weighting="uniform", routed_scaling_factor=3.0, n_experts=4)
     assert ids.tolist() == [[2, 2], [3, 1], [0, 2], [3, 1]]
     assert torch.equal(w, torch.full((4, 2), 1.5))
+
+
+def test_hash_router_uniform_refuses_table_ids_outside_the_experts():
+    table = torch.tensor([[3, 1], [-5, 2], [2, 1000]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"'tid2eid' row 1 \(token_ids position 0\) holds an expert id outside \[0, 4\)"):
+        lowbit.hash_router(torch.tensor([1, 0]), table, None, weighting="uniform", n_experts=4)
+    with pytest.raises(ValueError, match=r"'tid2eid' row 2 \(token_ids position 1\) holds an expert id outside \[0, 4\)"):
+        lowbit.hash_router(torch.tensor([0, 2]), table, None, weighting="uniform", n_experts=4)
+    # without logits the number of experts must be given, or ids cannot be checked
+    with pytest.raises(ValueError, match=r"'n_experts' is required with weighting='uniform' and no 'logits'"):
+        lowbit.hash_router(torch.tensor([0]), table, None, weighting="uniform")
+    with pytest.raises(ValueError, match=r"'n_experts' must be in \[1, 2147483647\], got 0"):
+        lowbit.hash_router(torch.tensor([0]), table, None, weighting="uniform", n_experts=0)
+    with pytest.raises(ValueError, match=r"'n_experts' \(5\) must equal the experts of 'logits' \(4\)"):
+        lowbit.hash_router(torch.tensor([0]), table, torch.randn(1, 4), weighting="uniform", n_experts=5)
+    # with logits their width is the number of experts
+    with pytest.raises(ValueError, match=r"'tid2eid' row 2 .* outside \[0, 4\)"):
+        lowbit.hash_router(torch.tensor([2]), table, torch.randn(1, 4), weighting="uniform")
+    w, ids = lowbit.hash_router(torch.tensor([0]), table, torch.randn(1, 4), weighting="uniform", n_experts=4)
+    assert ids.tolist() == [[3, 1]] and w.tolist() == [[0.5, 0.5]]
+
+
+def test_hash_router_refuses_nonfinite_scaling_factor():
+    table = torch.tensor([[3, 1]], dtype=torch.int32)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match=r"'routed_scaling_factor' must be finite, got"):
+            lowbit.hash_router(torch.tensor([0]), table, torch.randn(1, 4), routed_scaling_factor=bad)
+        with pytest.raises(ValueError, match=r"'routed_scaling_factor' must be finite, got"):
+            lowbit.hash_router(torch.tensor([0]), table, None, weighting="uniform", routed_scaling_factor=bad,
+                               n_experts=4)
+
+
+def test_routing_ops_refuse_arguments_on_mixed_devices():
+    # A meta tensor beside CPU tensors selects the Meta kernel; it must give
+    # the device error the CPU and CUDA kernels give.
+    meta = torch.device("meta")
+    logits = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"'bias' must be on the device of 'logits' \(cpu\), got meta"):
+        lowbit.route(logits, torch.zeros(16, device=meta), 2)
+    with pytest.raises(ValueError, match=r"'bias' must be on the device of 'logits' \(meta\), got cpu"):
+        lowbit.route(logits.to(meta), torch.zeros(16), 2)
+    hidden, gate = torch.randn(4, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match=r"'weight' must be on the device of 'hidden' \(cpu\), got meta"):
+        lowbit.dense_router(hidden, gate.to(meta), None, 2)
+    with pytest.raises(ValueError, match=r"'bias' must be on the device of 'hidden' \(cpu\), got meta"):
+        lowbit.dense_router(hidden, gate, torch.zeros(16, device=meta), 2)
+    table = torch.zeros(10, 2, dtype=torch.int32)
+    tids = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"'tid2eid' must be on the device of 'token_ids' \(cpu\), got meta"):
+        lowbit.hash_router(tids, table.to(meta), logits)
+    with pytest.raises(ValueError, match=r"'logits' must be on the device of 'token_ids' \(cpu\), got meta"):
+        lowbit.hash_router(tids, table, logits.to(meta))
 
 
 def test_hash_router_out_of_range_raises_on_cpu():
@@ -287,6 +339,55 @@ def test_router_module_validates_table_once():
         hashed.load_state_dict(state)
     with pytest.raises(ValueError, match="mode"):
         Router(32, 16, 3, mode="random")
+
+
+def test_router_module_refuses_bad_configuration():
+    with pytest.raises(ValueError, match=r"Router: argument 'k' must be in \[1, 16\] \(n_experts\), got 17"):
+        Router(32, 16, 17)
+    with pytest.raises(ValueError, match=r"Router: argument 'k' must be in \[1, 16\] \(n_experts\), got 0"):
+        Router(32, 16, 0)
+    with pytest.raises(ValueError, match=r"Router: argument 'n_experts' must be >= 1, got 0"):
+        Router(32, 0, 1)
+    with pytest.raises(ValueError, match=r"Router: argument 'hidden_size' must be >= 1, got 0"):
+        Router(0, 16, 2)
+    with pytest.raises(ValueError, match=r"Router: argument 'n_group' must divide n_experts \(16\), got 3"):
+        Router(32, 16, 2, score_func="sigmoid", n_group=3, topk_group=1)
+    with pytest.raises(ValueError, match=r"Router: argument 'topk_group' must be in \[1, 4\] \(n_group\), got 5"):
+        Router(32, 16, 2, score_func="sigmoid", n_group=4, topk_group=5)
+    with pytest.raises(ValueError, match=r"Router: argument 'k' \(9\) exceeds the experts in the kept groups"):
+        Router(32, 16, 9, score_func="sigmoid", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=r"Router: argument 'score_func' must be 'sqrtsoftplus', 'sigmoid' or "
+                                         r"'softmax', got 'relu'"):
+        Router(32, 16, 2, score_func="relu")
+    with pytest.raises(ValueError, match=r"Router: argument 'score_func' must be 'sqrtsoftplus' or 'sigmoid' with "
+                                         r"mode='hash', got 'softmax'"):
+        Router(32, 16, 2, mode="hash", vocab_size=10, score_func="softmax")
+    with pytest.raises(ValueError, match=r"Router: argument 'routed_scaling_factor' must be finite, got nan"):
+        Router(32, 16, 2, routed_scaling_factor=float("nan"))
+    with pytest.raises(ValueError, match=r"Router: argument 'vocab_size' must be >= 1, got 0"):
+        Router(32, 16, 2, mode="hash", vocab_size=0)
+
+
+def test_router_module_refuses_bad_inputs_naming_its_arguments():
+    dense = Router(32, 16, 3)
+    with pytest.raises(ValueError, match=r"Router: argument 'hidden' must have last dimension 32 \(hidden_size\), "
+                                         r"got shape \(7, 30\)"):
+        dense(torch.randn(7, 30).bfloat16())
+    with pytest.raises(TypeError, match=r"Router: argument 'hidden' must have dtype torch.bfloat16 \(the gate "
+                                        r"weight's\), got torch.float32"):
+        dense(torch.randn(7, 32))
+    hashed = Router(32, 16, 3, mode="hash", vocab_size=50)
+    x = torch.randn(2, 5, 32).bfloat16()
+    with pytest.raises(ValueError, match=r"Router: argument 'token_ids' is required in hash mode"):
+        hashed(x)
+    with pytest.raises(ValueError, match=r"Router: argument 'token_ids' must have shape \(2, 5\) \(the leading "
+                                         r"dimensions of 'hidden'\), got \(10,\)"):
+        hashed(x, torch.zeros(10, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"Router: argument 'token_ids' must have dtype torch.int64 or torch.int32, "
+                                        r"got torch.float32"):
+        hashed(x, torch.zeros(2, 5))
+    w, ids = hashed(x, torch.zeros(2, 5, dtype=torch.long))
+    assert w.shape == ids.shape == (2, 5, 3)
 
 
 # ------------------------------------------------------ conventions ---------

@@ -14,12 +14,50 @@ are converted to int32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
 from ..routing import dense_router, hash_router
 
 _MODES = ("dense", "hash")
+_SCORE_FUNCS = {"dense": ("sqrtsoftplus", "sigmoid", "softmax"), "hash": ("sqrtsoftplus", "sigmoid")}
+
+
+def _check_config(hidden_size, n_experts, k, mode, score_func, n_group, topk_group, routed_scaling_factor,
+                  vocab_size) -> None:
+    """The constructor's arguments, checked as the routing ops would check
+    them on every call, but named as the Router's."""
+    if mode not in _MODES:
+        raise ValueError(f"Router: argument 'mode' must be 'dense' or 'hash', got {mode!r}")
+    for name, value in (("hidden_size", hidden_size), ("n_experts", n_experts)):
+        if value < 1:
+            raise ValueError(f"Router: argument '{name}' must be >= 1, got {value}")
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"Router: argument 'k' must be in [1, {n_experts}] (n_experts), got {k}")
+    funcs = _SCORE_FUNCS[mode]
+    if score_func not in funcs:
+        names = " or ".join(", ".join(repr(f) for f in funcs).rsplit(", ", 1))
+        where = " with mode='hash'" if mode == "hash" else ""
+        raise ValueError(f"Router: argument 'score_func' must be {names}{where}, got {score_func!r}")
+    if mode == "dense":  # the hash table selects the experts in hash mode: no groups there
+        if n_group < 1 or n_experts % n_group:
+            raise ValueError(f"Router: argument 'n_group' must divide n_experts ({n_experts}), got {n_group}")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"Router: argument 'topk_group' must be in [1, {n_group}] (n_group), got {topk_group}")
+        if k > n_experts // n_group * topk_group:
+            raise ValueError(
+                f"Router: argument 'k' ({k}) exceeds the experts in the kept groups (topk_group {topk_group} x "
+                f"{n_experts // n_group})"
+            )
+    if not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"Router: argument 'routed_scaling_factor' must be finite, got {routed_scaling_factor}")
+    if mode == "hash":
+        if vocab_size is None:
+            raise ValueError("Router: argument 'vocab_size' is required with mode='hash'")
+        if vocab_size < 1:
+            raise ValueError(f"Router: argument 'vocab_size' must be >= 1, got {vocab_size}")
 
 
 class Router(nn.Module):
@@ -40,10 +78,8 @@ class Router(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if mode not in _MODES:
-            raise ValueError(f"Router: argument 'mode' must be 'dense' or 'hash', got {mode!r}")
-        if mode == "hash" and vocab_size is None:
-            raise ValueError("Router: argument 'vocab_size' is required with mode='hash'")
+        _check_config(hidden_size, n_experts, k, mode, score_func, n_group, topk_group, routed_scaling_factor,
+                      vocab_size)
         self.hidden_size, self.n_experts, self.k, self.mode = hidden_size, n_experts, k, mode
         self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
@@ -91,6 +127,15 @@ class Router(nn.Module):
     def forward(self, hidden: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """hidden [..., H] (and token_ids [...] in hash mode) ->
         (weights float32 [..., k], ids int32 [..., k])."""
+        if hidden.dim() < 1 or hidden.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"Router: argument 'hidden' must have last dimension {self.hidden_size} (hidden_size), "
+                f"got shape {tuple(hidden.shape)}"
+            )
+        if hidden.dtype != self.weight.dtype:
+            raise TypeError(
+                f"Router: argument 'hidden' must have dtype {self.weight.dtype} (the gate weight's), got {hidden.dtype}"
+            )
         lead = hidden.shape[:-1]
         x = hidden.reshape(-1, self.hidden_size)
         if self.mode == "dense":
@@ -101,6 +146,15 @@ class Router(nn.Module):
         else:
             if token_ids is None:
                 raise ValueError("Router: argument 'token_ids' is required in hash mode")
+            if token_ids.dtype not in (torch.int64, torch.int32):
+                raise TypeError(
+                    f"Router: argument 'token_ids' must have dtype torch.int64 or torch.int32, got {token_ids.dtype}"
+                )
+            if token_ids.shape != lead:
+                raise ValueError(
+                    f"Router: argument 'token_ids' must have shape {tuple(lead)} (the leading dimensions of "
+                    f"'hidden'), got {tuple(token_ids.shape)}"
+                )
             w, ids = hash_router(
                 token_ids.reshape(-1), self.tid2eid, self.gate_logits(x), self.score_func, "gate",
                 self.renormalize, self.routed_scaling_factor,
