@@ -12,7 +12,7 @@
 #   SUITES="quant linear router moe" BENCH_ARGS=--quick ...      benchmarks too (default: none)
 #   MODE=sanitize bash scripts/gpu_check.sh         compute-sanitizer (memcheck, racecheck,
 #                                                   synccheck, initcheck) over scripts/sanitize_ops.py
-#   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=90  sanitize: which tools, seconds per tool
+#   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per tool (default 75)
 # With 8 workers the whole suite and the build fit in one 10-minute call on
 # an H100 (16 cores); tests.log ends with the slowest tests. The concurrency
 # test (tests/python/test_concurrency.py) runs in the suite; its table goes
@@ -31,7 +31,7 @@ SUITES=${SUITES-}
 TESTS=${TESTS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
-SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-120}
+SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-75}
 BUILD_DIR=${BUILD_DIR:-build}
 # Build with the system compiler, whose libstdc++ is the one loaded at run
 # time (see docs/ARCHITECTURE.md, "Toolchain"); LOWBIT_CXX overrides it.
