@@ -44,6 +44,12 @@ def quantize_(
       of its shared expert go with it). Blocks whose sizes are not
       multiples of 16 are skipped.
 
+    A module used under several names (the same object registered twice)
+    is converted once and the replacement put under every name, so it
+    stays shared; ``filter_fn`` is asked for each name and must give one
+    answer for all of them (ValueError otherwise, before anything is
+    replaced).
+
     ``model`` itself is never replaced (``Nvfp4Linear.from_linear``,
     ``Nvfp4GroupedLinear.from_hf`` and ``Nvfp4MoE.from_hf`` convert a single
     layer). Returns model."""
@@ -55,25 +61,39 @@ def quantize_(
         raise ValueError(f"quantize_: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}")
     # Names only: each layer is looked up when it is converted, so that the
     # unquantized one is freed as soon as it is replaced (peak memory: the
-    # model plus one layer's conversion, not the model twice).
-    targets: list[str] = []
+    # model plus one layer's conversion, not the model twice). A module
+    # registered under several names (shared) is converted once and the
+    # replacement put under every name, so that it stays shared.
+    names_of: dict[int, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name:  # not the root: it cannot be replaced in place
+            names_of.setdefault(id(mod), []).append(name)
+    targets: list[list[str]] = []
     swapped_blocks: list[str] = []
     for name, mod in model.named_modules():
         if not name:
-            continue  # the root: it cannot be replaced in place
+            continue
         if any(name.startswith(block + ".") for block in swapped_blocks):
             continue  # inside a MoE block that is swapped whole
         block = moe and Nvfp4MoE.is_hf_block(mod) and Nvfp4MoE.hf_block_sizes_supported(mod)
         grouped = Nvfp4GroupedLinear.is_hf_grouped(mod) and Nvfp4GroupedLinear.hf_grouped_supported(mod)
-        if not (block or grouped or _swappable_linear(mod)) or (filter_fn is not None and not filter_fn(mod, name)):
+        if not (block or grouped or _swappable_linear(mod)):
             continue
-        targets.append(name)
+        names = names_of[id(mod)]
+        if filter_fn is not None:
+            chosen = [filter_fn(mod, n) for n in names]
+            if any(chosen) and not all(chosen):
+                yes, no = names[chosen.index(True)], names[chosen.index(False)]
+                raise ValueError(f"quantize_: filter_fn accepts the module named {yes!r} but not its other name "
+                                 f"{no!r}; it is one module, so it is replaced everywhere or nowhere: accept or "
+                                 "refuse all of its names")
+            if not all(chosen):
+                continue
+        targets.append(names)
         if block:
-            swapped_blocks.append(name)
-    for i, name in enumerate(targets):
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        mod = getattr(parent, child)
+            swapped_blocks.extend(names)
+    for i, names in enumerate(targets):
+        mod = model.get_submodule(names[0])
         if Nvfp4GroupedLinear.is_hf_grouped(mod):
             layer = Nvfp4GroupedLinear.from_hf(mod)
         elif isinstance(mod, nn.Linear):
@@ -81,8 +101,10 @@ def quantize_(
             layer.fp8_min_rows = fp8_min_rows
         else:
             layer = Nvfp4MoE.from_hf(mod)
-        del mod  # the parent's was the last reference
-        setattr(parent, child, layer)
+        del mod  # the parents' were the last references
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         if progress:
-            progress_bar("lowbit.quantize_", i + 1, len(targets), name)
+            progress_bar("lowbit.quantize_", i + 1, len(targets), names[0])
     return model
