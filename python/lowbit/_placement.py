@@ -43,12 +43,17 @@ def checked_device_map(model: nn.Module, device_map: Mapping[str, object]) -> di
         raise TypeError(_err(f"must be None, 'auto' or a dict {{module name: device}}, got {type(device_map).__name__}"))
     out = {}
     for name, device in device_map.items():
+        if not isinstance(name, str):
+            raise TypeError(_err(f"keys must be module names (str), got {type(name).__name__} {name!r}"))
         if name:
             try:
                 model.get_submodule(name)
             except AttributeError:
                 raise ValueError(_err(f"names {name!r}, which is not a module of the model")) from None
-        out[name] = torch.device(device)
+        try:
+            out[name] = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(_err(f"maps {name!r} to {device!r}, which is not a torch device")) from None
     return out
 
 

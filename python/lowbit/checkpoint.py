@@ -25,6 +25,25 @@ Activation and KV-cache scales (``input_scale``, ``input_global_scale``,
 ``k_scale``, ``v_scale``) are not used: the layers run W4A16. Checkpoints in
 other quantized formats (FP8, MXFP4, INT4) are refused by name.
 
+What a checkpoint must hold, and what it may not (ValueError naming the
+key, with what was expected and what was found): every parameter of the
+model, and the MoE routers' ``e_score_correction_bias`` and hash layers'
+``tid2eid`` (buffers that only checkpoints have: the model's placeholder
+zeros would choose the wrong experts); other persistent buffers it lacks
+keep the model's values (``LoadReport.not_in_checkpoint``, a warning).
+Tensors are cast to the model's dtype between floating-point types only:
+integers for a float parameter, or floats for an integer buffer, are
+refused. NVFP4 global scales are float32, ModelOpt's finite and >= 0,
+compressed-tensors' > 0. Beside an NVFP4 module's three tensors, a
+tensor that would change the output if dropped is refused: a ``bias`` on
+an expert or shared expert of an MoE block (Nvfp4MoE has none), an AWQ
+``pre_quant_scale``, a nonzero ``weight_zero_point`` (an all-zero one is
+skipped, as ``LoadReport.ignored``). Any other tensor there, and a
+``bias`` on a grouped layer (which transformers ignores as well), is
+reported in ``LoadReport.unused`` with a warning. Malformed
+``hf_quant_config.json``, ``config.json`` or safetensors index files are
+refused naming the file and field.
+
 A checkpoint is read one tensor at a time, so the peak memory is the loaded
 model plus one expert's conversion. :func:`save_pretrained` writes a model
 with lowbit's layers back as a ModelOpt checkpoint that these load.
@@ -35,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -72,8 +92,10 @@ class LoadReport:
     and Nvfp4MoE; ``unused``: checkpoint keys with no place in the model
     (a warning names them); ``ignored``: keys skipped on purpose (activation
     and KV-cache scales, the model's ``_keys_to_ignore_on_load_unexpected``,
-    keys ``key_map`` dropped); ``not_in_checkpoint``: persistent buffers the
-    checkpoint does not hold, which keep the model's own values."""
+    keys ``key_map`` dropped, all-zero ``weight_zero_point``);
+    ``not_in_checkpoint``: persistent buffers the checkpoint does not hold,
+    which keep the model's own values (never a MoE router's: those are
+    required)."""
 
     linear: list[str] = field(default_factory=list)
     grouped: list[str] = field(default_factory=list)
@@ -83,48 +105,109 @@ class LoadReport:
     not_in_checkpoint: list[str] = field(default_factory=list)
 
 
+def _read_json(file: Path) -> object:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(_err("path", f"holds {file}, which is not valid JSON: {e}")) from None
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _object(value: object, file: Path, field: str) -> dict:
+    """``value`` (the JSON ``field`` of ``file``) checked to be an object."""
+    if not isinstance(value, dict):
+        raise ValueError(_err("path", f"holds {file}: {field} must be an object, got {_type_name(value)}"))
+    return value
+
+
+def _check_path(path: object, fn: str = "load_checkpoint_") -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"lowbit.{fn}: path must be a checkpoint directory (str or os.PathLike), got "
+                        f"{type(path).__name__}")
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"lowbit.{fn}: path is not a checkpoint directory: {path} {what} (lowbit loads "
+                                "local directories; download a Hub checkpoint first, e.g. with "
+                                "huggingface_hub.snapshot_download)")
+    return path
+
+
 def checkpoint_format(path: str | Path) -> str | None:
     """The quantization a checkpoint directory declares: ``"modelopt"``
     (``hf_quant_config.json``, or config.json's ``quantization_config``
     with ``quant_method`` modelopt), ``"compressed-tensors"``, or None when
     it declares none. Raises ValueError for any quantization other than
-    NVFP4 with 16-element groups."""
+    NVFP4 with 16-element groups, and for a malformed config (not JSON,
+    fields missing or of the wrong type), naming the file and field."""
     path = Path(path)
     hf_quant = path / "hf_quant_config.json"
     if hf_quant.is_file():
-        _check_modelopt(json.loads(hf_quant.read_text()).get("quantization", {}), str(hf_quant))
+        top = _object(_read_json(hf_quant), hf_quant, "its top level")
+        if "quantization" not in top:
+            raise ValueError(_err("path", f"holds {hf_quant}: 'quantization' is missing (ModelOpt writes "
+                                          "{\"quantization\": {\"quant_algo\": \"NVFP4\", ...}})"))
+        _check_modelopt(_object(top["quantization"], hf_quant, "'quantization'"), hf_quant, "'quantization'")
         return "modelopt"
     config = path / "config.json"
-    qc = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if not config.is_file():
+        return None
+    qc = _object(_read_json(config), config, "its top level").get("quantization_config")
+    if qc is None:
+        return None
+    field = "'quantization_config'"
+    qc = _object(qc, config, field)
     if not qc:
         return None
-    method = qc.get("quant_method")
+    if "quant_method" not in qc:
+        raise ValueError(_err("path", f"holds {config}: {field} has no 'quant_method' (e.g. 'modelopt', "
+                                      "'compressed-tensors')"))
+    method = qc["quant_method"]
     if method == "modelopt":
-        _check_modelopt(qc, f"{config} quantization_config")
+        _check_modelopt(qc, config, field)
         return "modelopt"
     if method == "compressed-tensors":
-        _check_compressed(qc, f"{config} quantization_config")
+        _check_compressed(qc, config, field)
         return "compressed-tensors"
     raise ValueError(_err("path", f"holds a checkpoint quantized with quant_method {method!r} ({config}); lowbit "
                                   "loads NVFP4 checkpoints (ModelOpt, compressed-tensors) only"))
 
 
-def _check_modelopt(q: dict, where: str) -> None:
-    algo = q.get("quant_algo")
-    algos = {algo} if algo != "MIXED_PRECISION" else {
-        layer.get("quant_algo") for layer in q.get("quantized_layers", {}).values()}
+def _check_modelopt(q: dict, file: Path, field: str) -> None:
+    where = f"{file} {field}"
+    if "quant_algo" not in q:
+        raise ValueError(_err("path", f"holds {file}: {field}['quant_algo'] is missing (NVFP4 expected)"))
+    algo = q["quant_algo"]
+    if algo == "MIXED_PRECISION":
+        layers = _object(q.get("quantized_layers"), file, f"{field}['quantized_layers']")
+        algos = {_object(layer, file, f"{field}['quantized_layers'][{name!r}]").get("quant_algo")
+                 for name, layer in layers.items()}
+    else:
+        algos = {algo}
     if algos != {"NVFP4"}:
         raise ValueError(_err("path", f"holds a ModelOpt checkpoint with quant_algo {sorted(map(str, algos))} "
                                       f"({where}); lowbit loads NVFP4 only"))
-    if q.get("group_size", 16) != 16:
-        raise ValueError(_err("path", f"holds NVFP4 with group_size {q['group_size']} ({where}); NVFP4 is 16"))
+    group_size = q.get("group_size", 16)
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)):
+        raise ValueError(_err("path", f"holds {file}: {field}['group_size'] must be an int, got "
+                                      f"{_type_name(group_size)} {group_size!r}"))
+    if group_size not in (None, 16):
+        raise ValueError(_err("path", f"holds NVFP4 with group_size {group_size} ({where}); NVFP4 is 16"))
 
 
-def _check_compressed(qc: dict, where: str) -> None:
-    groups = qc.get("config_groups") or {}
+def _check_compressed(qc: dict, file: Path, field: str) -> None:
+    where = f"{file} {field}"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        got = "an empty one" if isinstance(groups, dict) else _type_name(groups)
+        raise ValueError(_err("path", f"holds {file}: {field}['config_groups'] must be a non-empty object, got {got}"))
     for name, group in groups.items():
+        group = _object(group, file, f"{field}['config_groups'][{name!r}]")
         fmt = group.get("format", qc.get("format"))
-        weights = group.get("weights") or {}
+        weights = _object(group.get("weights"), file, f"{field}['config_groups'][{name!r}]['weights']")
         if fmt != "nvfp4-pack-quantized" or weights.get("num_bits") != 4 or weights.get("group_size") != 16:
             raise ValueError(_err(
                 "path", f"holds a compressed-tensors checkpoint whose group {name!r} is {fmt!r} with "
@@ -152,8 +235,17 @@ class _Shards:
         self.place: Callable[[str], torch.device] = lambda name: torch.device("cpu")
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {key: path / file for key, file in weight_map.items()}
+            weight_map = _object(_object(_read_json(index), index, "its top level").get("weight_map"), index,
+                                 "'weight_map'")
+            self.file_of = {}
+            for key, file in weight_map.items():
+                if not isinstance(file, str):
+                    raise ValueError(_err("path", f"holds {index}: 'weight_map'[{key!r}] must be a file name, got "
+                                                  f"{_type_name(file)}"))
+                if not (path / file).is_file():
+                    raise FileNotFoundError(_err("path", f"holds {index}, which names {file} (for {key}), which is "
+                                                         f"not in {path}"))
+                self.file_of[key] = path / file
         else:
             files = sorted(path.glob("*.safetensors"))
             if not files:
@@ -181,10 +273,25 @@ class _Shards:
         return self._handle(self.file_of[key], "cpu").get_slice(key).get_dtype()
 
 
-def _with_index(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+def _with_index(device: torch.device | str, arg: str = "device") -> torch.device:
+    """``device`` (the argument ``arg``) as a torch.device to load onto, a
+    CUDA one with its index."""
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise ValueError(_err(arg, f"must be a torch device, got {device!r}"))
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(_err(arg, f"must be a torch device, got {device!r}")) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(_err(arg, f"must be where the tensors are loaded (cpu, cuda), got {device}"))
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(_err(arg, f"is {device}, but there is no CUDA device"))
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= count:
+            raise ValueError(_err(arg, f"is {device}, but there are {count} CUDA devices"))
     return device
 
 
@@ -228,6 +335,12 @@ def _load_tensor(model: nn.Module, name: str, shards: _Shards, keep_dtype: bool 
         # Codes without the scales lowbit would need to read them.
         raise ValueError(_err("path", f"holds {name} as {tensor.dtype} without NVFP4 scales; lowbit loads NVFP4 "
                                       "checkpoints (ModelOpt, compressed-tensors) only"))
+    # Integers are not cast to floats nor floats to integers: either is a
+    # wrong tensor, not a precision to convert.
+    if old.is_floating_point() and not tensor.is_floating_point():
+        raise ValueError(_err("path", f"holds {name} as {tensor.dtype}; the model's is floating point ({old.dtype})"))
+    if not old.is_floating_point() and old.dtype != torch.bool and tensor.is_floating_point():
+        raise ValueError(_err("path", f"holds {name} as {tensor.dtype}; the model's is an integer ({old.dtype})"))
     if not keep_dtype:
         tensor = tensor.to(old.dtype)
     if is_buffer:
@@ -266,13 +379,23 @@ class _Nvfp4Tensors:
             raise ValueError(_err("path", f"holds {self.leaves[names[2]]} as {scale.dtype} {list(scale.shape)}; NVFP4 "
                                           f"block scales of this layer are float8_e4m3fn [{out_features}, "
                                           f"{in_features // 16}]"))
-        global_ = shards.get(self.leaves[names[0]])
+        key = self.leaves[names[0]]
+        global_ = shards.get(key)
         if global_.numel() != 1:
-            raise ValueError(_err("path", f"holds {self.leaves[names[0]]} of shape {list(global_.shape)}; one global "
+            raise ValueError(_err("path", f"holds {key} of shape {list(global_.shape)}; one global "
                                           "scale per tensor was expected"))
-        global_ = global_.float().reshape(())
+        if global_.dtype != torch.float32:
+            raise ValueError(_err("path", f"holds {key} as {global_.dtype}; an NVFP4 global scale is float32"))
+        global_ = global_.reshape(())
+        value = global_.item()
         if self.fmt == "compressed-tensors":
+            if not value > 0:  # NaN too
+                raise ValueError(_err("path", f"holds {key} = {value}; compressed-tensors' global scale "
+                                              "(2688 / amax) is > 0"))
             global_ = global_from_compressed_tensors(global_)
+        elif not (math.isfinite(value) and value >= 0):  # 0: an all-zero weight
+            raise ValueError(_err("path", f"holds {key} = {value}; an NVFP4 global scale (amax / 2688) is finite "
+                                          "and >= 0"))
         return weight, scale.view(torch.uint8), global_
 
 
@@ -320,15 +443,22 @@ def load_checkpoint_(
     for checkpoints named otherwise than the model. ``fp8_min_rows``: as
     :func:`lowbit.quantize_`, for the Linear layers.
 
-    Raises ValueError, naming the key, for a tensor whose shape or format
-    does not fit the model, a quantized format other than NVFP4, and model
-    parameters the checkpoint does not hold."""
+    Raises ValueError, naming the key, for a tensor whose shape, dtype,
+    value or format does not fit the model, a quantized format other than
+    NVFP4, model parameters and MoE routing state the checkpoint does not
+    hold (see the module docstring), and malformed config files, naming
+    the file; FileNotFoundError when ``path`` is not a directory; TypeError
+    or ValueError for arguments of the wrong kind (``key_map`` must return
+    a non-empty str or None, ``device`` must be cpu or cuda)."""
     from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
     if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
         raise ValueError(_err("fp8_min_rows", f"must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}"))
-    path = Path(path)
+    if key_map is not None and not callable(key_map):
+        raise TypeError(_err("key_map", f"must be a callable (checkpoint key -> model name or None), got "
+                                        f"{type(key_map).__name__}"))
+    path = _check_path(path)
     declared = checkpoint_format(path)
     shards = _Shards(path)
     report = LoadReport()
@@ -338,6 +468,10 @@ def load_checkpoint_(
     renamed: dict[str, str] = {}
     for key in shards.file_of:
         name = key_map(key) if key_map is not None else key
+        if name is not None and not isinstance(name, str):
+            raise TypeError(_err("key_map", f"must return a str or None, got {type(name).__name__} for {key!r}"))
+        if name == "":
+            raise ValueError(_err("key_map", f"maps {key!r} to the empty name; return None to drop a key"))
         if name is None or name.rpartition(".")[2] in _UNUSED_SCALES or any(p.search(name) for p in ignore):
             report.ignored.append(key)
             continue
@@ -387,6 +521,15 @@ def load_checkpoint_(
     in_blocks = {prefix for experts in blocks.values() for prefix in experts.values()}
     in_blocks |= {f"{b}.shared_experts.{p}" for b in blocks for p in _SHARED}
     linears = [p for p in nvfp4 if p not in in_blocks]
+    block_of = {prefix: b for b, experts in blocks.items() for prefix in experts.values()}
+    block_of.update({f"{b}.shared_experts.{p}": b for b in blocks for p in _SHARED})
+    for prefix, leaves in nvfp4.items():
+        mod = _module(model, prefix)
+        if mod is not None or prefix in block_of:
+            # A bias only on a Linear: the grouped layers ignore theirs (as
+            # transformers does) and Nvfp4MoE's kernels have none.
+            bias = prefix not in block_of and not Nvfp4GroupedLinear.is_hf_grouped(mod)
+            _extra_leaves(prefix, leaves, formats[prefix], bias, block_of.get(prefix), shards, renamed, report)
     total = 1 + len(linears) + len(blocks)
     done = 0
 
@@ -406,6 +549,7 @@ def load_checkpoint_(
         for name in plain:
             if not _load_tensor(model, name, shards, keep_dtype=name.startswith(routers)):
                 report.unused.append(renamed[name])
+        _check_routers_loaded(model, buffers_before, report)
         step("unquantized tensors")
 
         for prefix in linears:
@@ -447,6 +591,56 @@ def load_checkpoint_(
     return report
 
 
+def _extra_leaves(prefix: str, leaves: dict[str, str], fmt: str, bias: bool, block: str | None, shards: _Shards,
+                  renamed: dict[str, str], report: LoadReport) -> None:
+    """The tensors of NVFP4 module ``prefix`` beside its format's three (and
+    a Linear's ``bias``): refused where dropping them would change the
+    output, reported as ignored (a zero zero-point) or unused otherwise."""
+    known = {*(_MODELOPT if fmt == "modelopt" else _COMPRESSED), *(("bias",) if bias else ())}
+    for leaf, name in leaves.items():
+        if leaf in known:
+            continue
+        key = renamed[name]
+        if leaf == "bias" and block is not None:
+            raise ValueError(_err("path", f"holds {key}, a bias of an expert of MoE block {block}; Nvfp4MoE's "
+                                          "kernels have no expert bias, and dropping it would change the output"))
+        if leaf == "pre_quant_scale":
+            raise ValueError(_err("path", f"holds {key}, an AWQ pre-quantization scale of the inputs, which lowbit's "
+                                          "NVFP4 layers do not apply; dropping it would change the output"))
+        if leaf == "weight_zero_point":
+            if shards.get(name).float().count_nonzero().item():
+                raise ValueError(_err("path", f"holds {key} with nonzero values: an asymmetric zero point, which "
+                                              "NVFP4 (symmetric) does not have"))
+            report.ignored.append(key)  # all zeros: what symmetric NVFP4 means anyway
+            continue
+        report.unused.append(key)
+
+
+# A router's state that only the checkpoint has: the model's placeholder
+# (zeros) would choose the wrong experts (a hash layer: expert 0 for all).
+_ROUTER_STATE = ("e_score_correction_bias", "tid2eid")
+
+
+def _check_routers_loaded(model: nn.Module, buffers_before: dict[str, int], report: LoadReport) -> None:
+    from .nn.moe import Nvfp4MoE
+
+    missing = []
+    for name, block in model.named_modules():
+        gate = getattr(block, "gate", None) if Nvfp4MoE.is_hf_block(block) else None
+        if isinstance(gate, nn.Module):
+            for leaf in _ROUTER_STATE:
+                buf, full = gate._buffers.get(leaf), f"{name}.gate.{leaf}" if name else f"gate.{leaf}"
+                if buf is not None and buffers_before.get(full) == id(buf):
+                    missing.append(full)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        hint = f"; {len(report.unused)} checkpoint keys had no place in the model, first {report.unused[0]}" \
+            if report.unused else ""
+        raise ValueError(_err("path", f"does not hold the model's {', '.join(missing[:5])}{more}, MoE routing state "
+                                      "that only a checkpoint has (the model's placeholder zeros would choose "
+                                      f"the wrong experts){hint}"))
+
+
 def _device_map(model: nn.Module, device: torch.device | str | None, device_map: object,
                 checkpoint_bytes: Callable[[], dict[str, int]]) -> dict[str, torch.device]:
     """{module name: device} for load_checkpoint_'s ``device``/``device_map``."""
@@ -470,7 +664,12 @@ def _device_map(model: nn.Module, device: torch.device | str | None, device_map:
                 raise ValueError(_err("device_map", f"'auto' puts {need / 2**30:.1f} GiB of the checkpoint on {d}, "
                                                     f"which has {free / 2**30:.1f} GiB free"))
         return placement
-    return {name: _with_index(d) for name, d in _placement.checked_device_map(model, device_map).items()}
+    out = {}
+    for name, d in _placement.checked_device_map(model, device_map).items():
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(_err("device_map", f"must place tensors on cpu or cuda, got {d} for {name!r}"))
+        out[name] = _with_index(d, f"device_map[{name!r}]")
+    return out
 
 
 def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: dict, shards: _Shards) -> nn.Module:
@@ -582,7 +781,17 @@ def load_pretrained(
         import transformers
     except ImportError as e:
         raise ImportError("lowbit.load_pretrained needs transformers (pip install transformers)") from e
-    path = Path(path)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"lowbit.load_pretrained: dtype must be a floating-point torch.dtype (the unquantized "
+                         f"tensors' dtype), got {dtype!r}")
+    path = _check_path(path, "load_pretrained")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"lowbit.load_pretrained: path holds no config.json (the model's transformers "
+                                f"config), in {path}; load_checkpoint_ loads into a model you build")
+    model_type = _object(_read_json(path / "config.json"), path / "config.json", "its top level").get("model_type")
+    if not isinstance(model_type, str):
+        raise ValueError(f"lowbit.load_pretrained: path holds {path / 'config.json'} whose 'model_type' is "
+                         f"{model_type!r}; a transformers model type (e.g. 'deepseek_v3') was expected")
     checkpoint_format(path)  # refuses other formats before anything is built
     config = transformers.AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

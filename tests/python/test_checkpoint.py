@@ -287,6 +287,7 @@ def test_unused_keys_warn_and_arguments_are_checked(tmp_path):
         lowbit.load_checkpoint_(target, tmp_path, device="cpu", fp8_min_rows=-1)
     with pytest.raises(ValueError, match="key_map maps both"):
         lowbit.load_checkpoint_(target, tmp_path, device="cpu", key_map=lambda k: "x")
+    (tmp_path / "nothing").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .safetensors files"):
         lowbit.load_checkpoint_(target, tmp_path / "nothing", device="cpu")
 
@@ -472,3 +473,221 @@ def test_placement_moves_nested_inputs():
     assert moved[0].device == meta and moved[1][0].device == meta and isinstance(moved[1], list)
     assert isinstance(moved[2], pair) and moved[2].a.device == meta and moved[2].b == 2
     assert moved[3] == torch.Size([2, 3]) and moved[4]["x"].device == meta and moved[5] == "text"
+
+
+def meta_model(model: torch.nn.Module) -> torch.nn.Module:
+    with lowbit.checkpoint.parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+
+
+def _raises_for(tmp_path, model, cases, family_fmt="modelopt"):
+    """Each (name, state, error, message): loading ``state`` raises ``error`` matching ``message``."""
+    for name, state, error, message in cases:
+        path = tmp_path / name
+        path.mkdir()
+        with pytest.raises(error, match=message):
+            _write_and_load(path, state, model, fmt=family_fmt)
+
+
+@pytest.mark.parametrize("family", ["v3", "v4"])
+def test_missing_router_state_is_an_error(family, tmp_path):
+    """A router's correction bias and a hash layer's token table exist only
+    in the checkpoint: the model's zeros would route silently wrong (every
+    token of a hash layer to expert 0), so their absence is an error as a
+    missing parameter's is, into a model built on the meta device too."""
+    model = build(family, "cpu")
+    good = nvfp4_state(model)
+    missing = ["model.layers.1.mlp.gate.e_score_correction_bias"]
+    if family == "v4":
+        missing.append("model.layers.0.mlp.gate.tid2eid")
+    for key in missing:
+        path = tmp_path / key
+        path.mkdir()
+        write_checkpoint(path, model, {k: v for k, v in good.items() if k != key})
+        with pytest.raises(ValueError, match=rf"does not hold the model's {key}"):
+            lowbit.load_pretrained(path, device="cpu", progress=False)
+        with pytest.raises(ValueError, match=rf"does not hold the model's {key}"):
+            lowbit.load_checkpoint_(meta_model(model), path, device="cpu", progress=False)
+
+
+def test_expert_biases_are_refused_and_unknown_leaves_reported(tmp_path):
+    """Nvfp4MoE's kernels have no expert bias: a bias on a routed or shared
+    expert would be dropped, changing the output, so it is refused by key.
+    A zero point changes the math unless it is zero (symmetric NVFP4), an
+    AWQ pre-scale always does. A leaf lowbit does not know is reported as
+    unused, with a warning."""
+    model = build("v3", "cpu")
+    good = nvfp4_state(model)
+    block = "model.layers.1.mlp"
+    _raises_for(tmp_path, model, [
+        ("expert_bias", {**good, f"{block}.experts.2.down_proj.bias": torch.ones(256)}, ValueError,
+         rf"holds {block}.experts.2.down_proj.bias, a bias of an expert of MoE block {block}; Nvfp4MoE"),
+        ("shared_bias", {**good, f"{block}.shared_experts.down_proj.bias": torch.ones(256)}, ValueError,
+         rf"holds {block}.shared_experts.down_proj.bias, a bias of an expert of MoE block {block}"),
+        ("zero_point", {**good, f"{block}.experts.0.up_proj.weight_zero_point": torch.ones(128, 16, dtype=torch.int8)},
+         ValueError, rf"holds {block}.experts.0.up_proj.weight_zero_point with nonzero values"),
+        ("awq", {**good, "model.layers.0.mlp.up_proj.pre_quant_scale": torch.ones(256)}, ValueError,
+         r"holds model.layers.0.mlp.up_proj.pre_quant_scale, an AWQ pre-quantization scale"),
+    ])
+
+    extra = {f"{block}.experts.2.down_proj.weight_scale_3": torch.ones(()),
+             "model.layers.0.mlp.up_proj.quant_meta": torch.ones(2)}
+    zero_point = {f"{block}.experts.0.up_proj.weight_zero_point": torch.zeros(128, 16, dtype=torch.int8)}
+    (tmp_path / "ok").mkdir()
+    write_checkpoint(tmp_path / "ok", model, {**good, **extra, **zero_point})
+    with pytest.warns(UserWarning, match=r"2 checkpoint keys have no place in the model"):
+        report = lowbit.load_checkpoint_(meta_model(model), tmp_path / "ok", device="cpu", progress=False)
+    assert sorted(report.unused) == sorted(extra)
+    assert list(zero_point)[0] in report.ignored
+
+
+def test_bias_on_a_grouped_linear_is_reported_unused(tmp_path):
+    """transformers' DeepseekV4GroupedLinear ignores a bias, and so does
+    Nvfp4GroupedLinear: a checkpoint's is reported, not dropped unseen."""
+    model = build("v4", "cpu")
+    key = "model.layers.0.self_attn.o_a_proj.bias"
+    write_checkpoint(tmp_path, model, {**nvfp4_state(model), key: torch.ones(256)})
+    with pytest.warns(UserWarning, match=r"1 checkpoint keys have no place in the model"):
+        report = lowbit.load_checkpoint_(meta_model(model), tmp_path, device="cpu", progress=False)
+    assert report.unused == [key] and "model.layers.0.self_attn.o_a_proj" in report.grouped
+
+
+def test_tensors_of_the_wrong_dtype_or_value_are_refused(tmp_path):
+    """Integers where the model has floats (and floats where it has
+    integers) are not cast; NVFP4 global scales must be float32, finite and
+    not negative (zero: an all-zero weight): each is refused by key, with
+    what was expected and got."""
+    model = build("v3", "cpu")
+    good = nvfp4_state(model)
+    gate, up, expert = "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.experts.2"
+    _raises_for(tmp_path, model, [
+        ("int_gate", {**good, gate: good[gate].to(torch.int32)}, ValueError,
+         rf"holds {gate} as torch.int32; the model's is floating point \(torch.bfloat16\)"),
+        ("int_norm", {**good, "model.norm.weight": torch.ones(256, dtype=torch.int32)}, ValueError,
+         r"holds model.norm.weight as torch.int32; the model's is floating point"),
+        ("int_global", {**good, f"{up}.weight_scale_2": torch.tensor(1, dtype=torch.int32)}, ValueError,
+         rf"holds {up}.weight_scale_2 as torch.int32; an NVFP4 global scale is float32"),
+        ("bf16_global", {**good, f"{expert}.down_proj.weight_scale_2":
+                         good[f"{expert}.down_proj.weight_scale_2"].bfloat16()}, ValueError,
+         rf"holds {expert}.down_proj.weight_scale_2 as torch.bfloat16; an NVFP4 global scale is float32"),
+        ("negative", {**good, f"{up}.weight_scale_2": -good[f"{up}.weight_scale_2"]}, ValueError,
+         rf"holds {up}.weight_scale_2 = -[0-9.e-]+; an NVFP4 global scale \(amax / 2688\) is finite and >= 0"),
+        ("nan", {**good, f"{expert}.gate_proj.weight_scale_2": torch.tensor(float("nan")),
+                 f"{expert}.up_proj.weight_scale_2": torch.tensor(float("nan"))}, ValueError,
+         rf"holds {expert}.gate_proj.weight_scale_2 = nan; an NVFP4 global scale \(amax / 2688\) is finite and >= 0"),
+        ("inf", {**good, f"{up}.weight_scale_2": torch.tensor(float("inf"))}, ValueError,
+         rf"holds {up}.weight_scale_2 = inf"),
+    ])
+    model4 = build("v4", "cpu")
+    table = "model.layers.0.mlp.gate.tid2eid"
+    (tmp_path / "v4").mkdir()
+    state = nvfp4_state(model4)
+    _raises_for(tmp_path / "v4", model4, [
+        ("float_table", {**state, table: state[table].float()}, ValueError,
+         rf"holds {table} as torch.float32; the model's is an integer \(torch.int64\)"),
+    ])
+
+
+def test_compressed_tensors_global_scales_are_checked(tmp_path):
+    """compressed-tensors stores 2688 / amax: zero (an infinite global) and
+    negative values are refused; so is a global of the wrong dtype."""
+    model = build("v3", "cpu")
+    good = nvfp4_state(model, fmt="compressed-tensors")
+    key = "model.layers.0.mlp.up_proj.weight_global_scale"
+    _raises_for(tmp_path, model, [
+        (name, {**good, key: value}, ValueError, rf"holds {key} = {shown}; compressed-tensors' global scale "
+                                                 r"\(2688 / amax\) is > 0")
+        for name, value, shown in [("zero", torch.zeros(1), r"0\.0"), ("negative", torch.tensor([-3.0]), r"-3\.0")]
+    ] + [("f16", {**good, key: good[key].half()}, ValueError, rf"holds {key} as torch.float16; an NVFP4 global "
+                                                              "scale is float32")], family_fmt="compressed-tensors")
+
+
+def _quant_config_cases(tmp_path, model):
+    """(name, writes the bad config into the directory, message)."""
+    def hf_quant(text):
+        return lambda path: (path / "hf_quant_config.json").write_text(text)
+
+    def quantization_config(qc):
+        def write(path):
+            (path / "hf_quant_config.json").unlink()
+            config = json.loads((path / "config.json").read_text())
+            config["quantization_config"] = qc
+            (path / "config.json").write_text(json.dumps(config))
+        return write
+
+    return [
+        ("bad_json", hf_quant("{\"quantization\": "), r"hf_quant_config.json, which is not valid JSON"),
+        ("not_object", hf_quant("[1, 2]"), r"hf_quant_config.json: its top level must be an object, got list"),
+        ("quantization_str", hf_quant(json.dumps({"quantization": "NVFP4"})),
+         r"hf_quant_config.json: 'quantization' must be an object, got str"),
+        ("no_quantization", hf_quant(json.dumps({"producer": {}})),
+         r"hf_quant_config.json: 'quantization' is missing"),
+        ("no_algo", hf_quant(json.dumps({"quantization": {"group_size": 16}})),
+         r"hf_quant_config.json: 'quantization'\['quant_algo'\] is missing"),
+        ("group_str", hf_quant(json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": "16"}})),
+         r"hf_quant_config.json: 'quantization'\['group_size'\] must be an int, got str"),
+        ("layers_list", hf_quant(json.dumps({"quantization": {"quant_algo": "MIXED_PRECISION",
+                                                              "quantized_layers": ["a"]}})),
+         r"hf_quant_config.json: 'quantization'\['quantized_layers'\] must be an object, got list"),
+        ("layer_str", hf_quant(json.dumps({"quantization": {"quant_algo": "MIXED_PRECISION",
+                                                            "quantized_layers": {"a": "NVFP4"}}})),
+         r"hf_quant_config.json: 'quantization'\['quantized_layers'\]\['a'\] must be an object, got str"),
+        ("qc_str", quantization_config("nvfp4"), r"config.json: 'quantization_config' must be an object, got str"),
+        ("qc_no_method", quantization_config({"format": "nvfp4-pack-quantized"}),
+         r"config.json: 'quantization_config' has no 'quant_method'"),
+        ("ct_groups_list", quantization_config({"quant_method": "compressed-tensors", "config_groups": []}),
+         r"config.json: 'quantization_config'\['config_groups'\] must be a non-empty object, got list"),
+        ("ct_no_weights", quantization_config({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                                               "config_groups": {"group_0": {"targets": ["Linear"]}}}),
+         r"config.json: 'quantization_config'\['config_groups'\]\['group_0'\]\['weights'\] must be an object, "
+         r"got null"),
+        ("bad_config_json", lambda path: (path / "config.json").write_text("{"),
+         r"config.json, which is not valid JSON"),
+        ("bad_index", lambda path: (path / "model.safetensors.index.json").write_text("{\"weight_map\": 3}"),
+         r"model.safetensors.index.json: 'weight_map' must be an object, got int"),
+        ("index_missing_file", lambda path: (path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.norm.weight": "nothing.safetensors"}})),
+         r"model.safetensors.index.json, which names nothing.safetensors \(for model.norm.weight\), "
+         r"which is not in"),
+    ]
+
+
+def test_malformed_quantization_configs_raise_clear_errors(tmp_path):
+    model = build("v3", "cpu")
+    state = nvfp4_state(model)
+    for name, write, message in _quant_config_cases(tmp_path, model):
+        path = tmp_path / name
+        path.mkdir()
+        write_checkpoint(path, model, state)
+        write(path)
+        with pytest.raises((ValueError, FileNotFoundError), match=rf"lowbit.load_checkpoint_: path .*{message}"):
+            lowbit.load_pretrained(path, device="cpu", progress=False)
+
+
+def test_load_arguments_are_checked(tmp_path):
+    model = build("v3", "cpu")
+    write_checkpoint(tmp_path, model, nvfp4_state(model))
+    target = meta_model(model)
+    for kwargs, error, message in [
+        (dict(key_map=lambda k: 3), TypeError, r"key_map must return a str or None, got int for 'lm_head.weight'"),
+        (dict(key_map=lambda k: ""), ValueError, r"key_map maps 'lm_head.weight' to the empty name"),
+        (dict(key_map="model."), TypeError, r"key_map must be a callable \(checkpoint key -> model name or None\), "
+                                            r"got str"),
+        (dict(device="meta"), ValueError, r"device must be where the tensors are loaded \(cpu, cuda\), got meta"),
+        (dict(device="gpu"), ValueError, r"device must be a torch device, got 'gpu'"),
+        (dict(device_map={"": "meta"}), ValueError, r"device_map must place tensors on cpu or cuda, got meta for ''"),
+    ]:
+        with pytest.raises(error, match=message):
+            lowbit.load_checkpoint_(target, tmp_path, progress=False, **{"device": "cpu", **kwargs}
+                                    if "device_map" not in kwargs else kwargs)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device is cuda, but there is no CUDA device"):
+            lowbit.load_checkpoint_(target, tmp_path, device="cuda", progress=False)
+    missing = tmp_path / "no_such_checkpoint"
+    for load in (lowbit.load_pretrained, lambda p, **kw: lowbit.load_checkpoint_(target, p, **kw)):
+        with pytest.raises(FileNotFoundError,
+                           match=r"path is not a checkpoint directory: .*no_such_checkpoint does not exist"):
+            load(missing, device="cpu", progress=False)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lowbit.load_pretrained: path holds no config.json"):
+        lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
