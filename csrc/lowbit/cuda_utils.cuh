@@ -78,16 +78,35 @@ template <>
 __device__ __forceinline__ void load8<float>(const float* p, float (&out)[8]) {
   detail::widen8(__ldg(reinterpret_cast<const float4*>(p)), __ldg(reinterpret_cast<const float4*>(p) + 1), out);
 }
-// load8 with a coherent load (plain ld.global), for data a previous grid may
-// have written. p must not derive from a const __restrict__ kernel
-// parameter, from which the compiler may make the load non-coherent again.
+// Coherent loads (plain ld.global) for data a previous grid may have
+// written. Explicit: the compiler turns a plain dereference into a
+// non-coherent load when it proves that nothing in the kernel writes the
+// memory. volatile keeps them after wait_for_previous_grid().
+__device__ __forceinline__ uint2 ld_coherent(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_coherent(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 ld_coherent(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
+// load8 with coherent loads, for data a previous grid may have written.
 template <typename T>
 __device__ __forceinline__ void load8_coherent(const T* p, float (&out)[8]) {
-  detail::widen8<T>(*reinterpret_cast<const uint4*>(p), out);
+  detail::widen8<T>(ld_coherent(reinterpret_cast<const uint4*>(p)), out);
 }
 template <>
 __device__ __forceinline__ void load8_coherent<float>(const float* p, float (&out)[8]) {
-  detail::widen8(reinterpret_cast<const float4*>(p)[0], reinterpret_cast<const float4*>(p)[1], out);
+  detail::widen8(ld_coherent(reinterpret_cast<const float4*>(p)), ld_coherent(reinterpret_cast<const float4*>(p) + 1),
+                 out);
 }
 
 template <typename T>

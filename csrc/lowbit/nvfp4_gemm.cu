@@ -224,8 +224,8 @@ __device__ __forceinline__ void stream_tiles_finish(const float (&acc)[kTiles * 
 
 template <typename T, int MT, int W>
 __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    const T* x, cuda::ReadOnly<uint8_t> weight, cuda::ReadOnly<uint8_t> scale,
+    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t m0 = int64_t(blockIdx.x) * 8 * MT;
@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(32 * W, kNarrowCtasPerSm<MT, W>) linear_narrow
 // (Linear v25).
 template <typename T, int W, int kPairs, int kTiles, int kStages>
 __global__ void __launch_bounds__(32 * W, stream_warps_per_sm(kTiles) / W) linear_stream_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    const T* x, cuda::ReadOnly<uint8_t> weight, cuda::ReadOnly<uint8_t> scale,
+    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   constexpr int MT = mma::kStreamMtiles<kPairs>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -347,8 +347,8 @@ constexpr int kStreamKElemsPerThread = kTileN * mma::kStreamMaxRows / 32;
 constexpr int kStreamKWarpsPerSm = 16;
 template <typename T, int W, int kPairs>
 __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_k_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    const T* x, cuda::ReadOnly<uint8_t> weight, cuda::ReadOnly<uint8_t> scale,
+    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias, T* __restrict__ out,
     float* __restrict__ workspace, int64_t m, int64_t n, int64_t k, StreamKRuns runs) {
   cuda::allow_dependent_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
 #pragma unroll
       for (int i = 0; i < kStreamKElemsPerThread; ++i) {
         const int e = threadIdx.x + i * 32 * W;
-        if (e < elems) stream_k_store(before[i] + piece.sum(e), e, nt, n, global_scale, bias, out);
+        if (e < elems) stream_k_store(before[i] + piece.sum(e), e, nt, n, global_scale.get(), bias.get(), out);
       }
       if (threadIdx.x == 0)
         for (int32_t r = first; r < cta; ++r) cuda::st_relaxed_gpu(flags + r, uint64_t{0});
@@ -502,8 +502,8 @@ __device__ __forceinline__ void store_warp_tile(const float (&acc)[MT][4], int64
 
 template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kernel(
-    const T* __restrict__ x, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    const T* x, cuda::ReadOnly<uint8_t> weight, cuda::ReadOnly<uint8_t> scale,
+    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias, T* __restrict__ out,
     float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   cuda::allow_dependent_launch();
   const int warp = threadIdx.x / 32;
@@ -550,8 +550,8 @@ constexpr int kPanelCtasPerSm = 3;  // at most (panel_spread_smem)
 constexpr int kPanelMt = 2;         // 16 rows of x (fewer: zeros)
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kPanelCtasPerSm) linear_panel_kernel(
-    const __grid_constant__ CUtensorMap x_map, const uint8_t* __restrict__ weight, const uint8_t* __restrict__ scale,
-    const float* __restrict__ global_scale, const T* __restrict__ bias, T* __restrict__ out,
+    const __grid_constant__ CUtensorMap x_map, cuda::ReadOnly<uint8_t> weight, cuda::ReadOnly<uint8_t> scale,
+    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias, T* __restrict__ out,
     float* __restrict__ partials, int64_t m, int64_t n, int64_t k, int64_t tiles_per_split) {
   constexpr int MT = kPanelMt;
   static_assert(mma::kPanelWarps * 32 == kThreads, "wide_cluster_finish: 8 warps");
@@ -586,8 +586,8 @@ __global__ void __launch_bounds__(kThreads, kPanelCtasPerSm) linear_panel_kernel
 // loads of 8 splits are all in flight before the first add: one round trip
 // to L2 per 8 splits, not per split.
 template <typename T>
-__global__ void split_reduce_kernel(const float* __restrict__ partials, int64_t splits, int64_t m, int64_t n,
-                                    const float* __restrict__ global_scale, const T* __restrict__ bias,
+__global__ void split_reduce_kernel(const float* partials, int64_t splits, int64_t m, int64_t n,
+                                    cuda::ReadOnly<float> global_scale, cuda::ReadOnly<T> bias,
                                     T* __restrict__ out) {
   constexpr int kBatch = 8;
   cuda::allow_dependent_launch();  // the next kernel's prologue (its first W copies) overlaps this one

@@ -130,7 +130,7 @@ struct Stage {
 // activation loads need no address arithmetic or predicates. Only a partial
 // last tile (K not a multiple of 128) checks columns. W and its scales are
 // module state (non-coherent loads); x may be the previous grid's output, so
-// its loads are plain (coherent): see cuda::ReadOnly.
+// its loads are coherent: see cuda::ReadOnly.
 template <typename T, int MT>
 __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restrict__ wtile,
                                            const uint4* __restrict__ stile, const T* const (&xrow)[MT],
@@ -142,15 +142,17 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restric
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int kt = 0; kt < 8; ++kt) st.x[mt][kt] = *reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16);
+      for (int kt = 0; kt < 8; ++kt)
+        st.x[mt][kt] = cuda::ld_coherent(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16));
   } else {
     const int t = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt)
-        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k ? *reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16)
-                                                  : make_uint2(0, 0);
+        st.x[mt][kt] = col0 + kt * 16 + t * 4 < k
+                           ? cuda::ld_coherent(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16))
+                           : make_uint2(0, 0);
   }
 }
 

@@ -40,6 +40,7 @@
 // kernel's CTAs can pick W tiles from their items and prefetch them into L2
 // while the up kernel drains, then wait for h.
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -182,6 +183,9 @@ struct WorkList {
     return e >= 0 && e < experts;
   }
 };
+// scripts/check_dependent_loads.py (POINTERS_FIRST) takes the words past the
+// pointers for counts, which may index non-coherent loads of module state.
+static_assert(offsetof(WorkList, slots) == 3 * sizeof(void*), "WorkList: pointers first");
 
 // Row r of an item: gathered through sorted_token (kGather, up: rows of x;
 // null sorted_token: the direct list's one token), or the item's own row in
