@@ -564,6 +564,9 @@ def load_checkpoint_(
                 if (bias is None) != (mod.bias is None):
                     raise ValueError(_err("path", f"holds {prefix} {'with' if bias is not None else 'without'} a "
                                                   f"bias; the model's layer has {'none' if mod.bias is None else 'one'}"))
+                if bias is not None and not bias.is_floating_point():
+                    raise ValueError(_err("path", f"holds {renamed[nvfp4[prefix]['bias']]} as {bias.dtype}; the "
+                                                  f"model's is floating point ({mod.bias.dtype})"))
                 if bias is not None:
                     bias = bias.to(mod.bias.dtype if mod.bias.dtype != torch.float32 else torch.bfloat16)
                 layer = Nvfp4Linear.from_checkpoint(*tensors.load(shards, mod.out_features, mod.in_features), bias)

@@ -691,3 +691,17 @@ def test_load_arguments_are_checked(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"lowbit.load_pretrained: path holds no config.json"):
         lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+
+
+def test_an_integer_linear_bias_is_refused(tmp_path):
+    """The bias of an NVFP4 Linear is cast between float types only."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, dtype=torch.bfloat16))
+    state = {**_nvfp4(model[0].weight, "0", "modelopt"), "0.bias": torch.arange(32, dtype=torch.int32)}
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds 0.bias as torch.int32; the model's is floating point"):
+        lowbit.load_checkpoint_(model, tmp_path, progress=False)
+    state["0.bias"] = model[0].bias.detach().float()  # a float32 bias is fine
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    report = lowbit.load_checkpoint_(model, tmp_path, progress=False)
+    assert report.linear == ["0"] and report.unused == []
