@@ -143,7 +143,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_prepack(const at:
   check_same_device(w2_scale, w13, kMoePrepack, "w2_scale", "w13");
   auto [p13, s13] = prepack_2d(interleave_w13(w13), interleave_w13(w13_scale));
   auto [p2, s2] = prepack_2d(w2.reshape({e * h, inter / 2}), w2_scale.reshape({e * h, inter / 16}));
-  return {p13.view({e, two_i, -1}), s13.view({e, two_i, -1}), p2.view({e, h, -1}), s2.view({e, h, -1})};
+  // The Linear's prepacked scales end with bytes that record K; the MoE
+  // records H and I in w2's shape instead, and its kernels index each
+  // expert's tiles by a fixed stride, so it keeps the tiles alone.
+  return {p13.view({e, two_i, -1}), prepacked_scale_tiles(s13, h).clone().view({e, two_i, -1}), p2.view({e, h, -1}),
+          prepacked_scale_tiles(s2, inter).clone().view({e, h, -1})};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_unprepack(const at::Tensor& w13,
