@@ -22,9 +22,8 @@ namespace {
 
 namespace gemm = nvfp4::gemm;
 
-void check_sm90(const at::Tensor& t, const char* op) { check_supported_gpu(t, op); }
-
 std::tuple<at::Tensor, at::Tensor> prepack_cuda(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  check_supported_gpu(weight, "nvfp4_prepack");
   check_prepack(weight, weight_scale);
   c10::cuda::CUDAGuard guard(weight.device());
   auto w = weight.contiguous();
@@ -45,6 +44,7 @@ at::Tensor unpacked_cuda(const at::Tensor& w, const at::Tensor& s, const at::Ten
 
 at::Tensor unpack_weight_cuda(const at::Tensor& weight, const at::Tensor& weight_scale,
                               const at::Tensor& weight_global, int64_t k, at::ScalarType dtype) {
+  check_supported_gpu(weight, "nvfp4_unpack");
   check_unpack(weight, weight_scale, weight_global, k, dtype);
   c10::cuda::CUDAGuard guard(weight.device());
   return unpacked_cuda(contiguous_aligned(weight, 16), contiguous_aligned(weight_scale, 16),
@@ -110,7 +110,7 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
   check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
-  check_sm90(x, "nvfp4_linear");
+  check_supported_gpu(x, "nvfp4_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t k = x.size(-1), n = weight.size(0);
@@ -168,7 +168,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
 at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                                const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
   check_grouped_linear(x, weight, weight_scale, weight_global, n_groups, max_fused_rows);
-  check_sm90(x, "nvfp4_grouped_linear");
+  check_supported_gpu(x, "nvfp4_grouped_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t k = x.size(-1), n = weight.size(0) / n_groups;
