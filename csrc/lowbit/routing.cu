@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   float sum = 0.f;
   for (int j = lane; j < topk && !bad; j += 32) {
     const int32_t e = __ldg(table + tid * topk + j);
-    if (gate && (e < 0 || e >= experts)) bad = true;
+    if (e < 0 || e >= experts) bad = true;
   }
   bad = __any_sync(kFull, bad);
   float* w = weights + m * topk;

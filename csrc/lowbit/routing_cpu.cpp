@@ -115,7 +115,7 @@ int64_t hash_route_cpu(const HashRouteArgs& a) {
     int32_t* ids = a.ids + m * a.topk;
     for (int32_t j = 0; j < a.topk; ++j) {
       const int32_t e = row[j];
-      if (a.weighting == HashWeighting::kGate && (e < 0 || e >= a.experts)) return m;
+      if (e < 0 || e >= a.experts) return m;
       ids[j] = e;
       w[j] = a.weighting == HashWeighting::kUniform
                  ? 1.f / static_cast<float>(a.topk)

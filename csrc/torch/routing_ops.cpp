@@ -258,15 +258,6 @@ RouteOut hash_router_cpu(const at::Tensor& token_ids, const at::Tensor& tid2eid,
   if (logits.has_value()) x = logits->contiguous();
   auto out = empty_route_outputs(ids, ids.sym_size(0), table.sym_size(1));
   int64_t bad = routing::hash_route_cpu(hash_args(ids, table, x, o, renormalize, scale, out));
-  if (bad < 0 && o.weighting == routing::HashWeighting::kUniform) {
-    // The core checks the ids it gathers logits with; uniform weights
-    // gather none, so the ids are checked here.
-    const int32_t* out_ids = std::get<1>(out).data_ptr<int32_t>();
-    const int64_t k = table.size(1);
-    const int64_t experts = hash_experts(o, x);
-    for (int64_t i = 0; i < std::get<1>(out).numel() && bad < 0; ++i)
-      if (out_ids[i] < 0 || out_ids[i] >= experts) bad = i / k;
-  }
   if (bad >= 0) {
     const int64_t tid = ids.scalar_type() == at::kLong ? ids.data_ptr<int64_t>()[bad] : ids.data_ptr<int32_t>()[bad];
     TORCH_CHECK_VALUE(tid >= 0 && tid < table.size(0), "lowbit.", kHash, ": argument 'token_ids' holds ", tid,

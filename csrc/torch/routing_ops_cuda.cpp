@@ -86,15 +86,6 @@ RouteOut hash_router_cuda(const at::Tensor& token_ids, const at::Tensor& tid2eid
   auto out = empty_route_outputs(ids, ids.sym_size(0), table.sym_size(1));
   C10_CUDA_CHECK(routing::hash_route_cuda(hash_args(ids, table, x, o, renormalize, scale, out),
                                           c10::cuda::getCurrentCUDAStream()));
-  if (o.weighting == routing::HashWeighting::kUniform) {
-    // The kernel checks the ids it gathers logits with; uniform weights
-    // gather none, so a token whose row holds an id outside [0, E) gets ids
-    // -1 and weights 0 here, as in gate mode (on the device: no sync).
-    auto& [w, out_ids] = out;
-    const at::Tensor bad = out_ids.lt(0).logical_or_(out_ids.ge(hash_experts(o, x))).any(1, /*keepdim=*/true);
-    out_ids.masked_fill_(bad, -1);
-    w.masked_fill_(bad, 0.0);
-  }
   return out;
 }
 
