@@ -181,13 +181,15 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
   auto g = weight_global.contiguous();
   if (m * n_groups <= max_fused_rows) {
     at::Tensor every = linear_cuda(x.reshape({m * n_groups, k}), weight, weight_scale, weight_global, c10::nullopt, 0);
-    return every.view({m, n_groups, n_groups, n}).diagonal(0, 1, 2).transpose(1, 2).reshape(out_shape);
+    // Contiguous, as the Meta kernel says: compiled graphs and AOTInductor
+    // packages read the output by the strides the Meta kernel gives.
+    return every.view({m, n_groups, n_groups, n}).diagonal(0, 1, 2).transpose(1, 2).contiguous().view(out_shape);
   }
   at::Tensor x3 = contiguous_aligned(x, 16).view({m, n_groups, k});
   if (n % gemm::kWgmmaBlockRows != 0 || k % gemm::kTileK != 0 || m > gemm::kGroupedWgmmaMaxM ||
       x.scalar_type() == at::kFloat) {
     at::Tensor wg = unpacked_cuda(w, s, g, k, x.scalar_type(), stream).view({n_groups, n, k});
-    return at::bmm(x3.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).reshape(out_shape);
+    return at::bmm(x3.transpose(0, 1), wg.transpose(1, 2)).transpose(0, 1).contiguous().view(out_shape);
   }
   at::Tensor out = at::empty({m, n_groups * n}, x.options());
   const gemm::LinearArgs a = fused_args(x3, w, s, g, out, m, n_groups * n, k);
