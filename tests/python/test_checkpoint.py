@@ -453,7 +453,7 @@ def test_unprepack_opcheck_and_bad_input():
     down = lowbit.nvfp4_quantize(torch.randn(2, 144, 32))
     pm = lowbit.nvfp4_moe_prepack(stacked.packed, stacked.block_scale, down.packed, down.block_scale)
     torch.library.opcheck(torch.ops.lowbit.nvfp4_moe_unprepack.default, (*pm, 144, 32))
-    with pytest.raises(ValueError, match=r"nvfp4_unprepack: argument 'weight' must be prepacked .* for K = 272"):
+    with pytest.raises(ValueError, match=r"nvfp4_unprepack: argument 'k' must be the K the weight was prepacked for \(144\), got 272"):
         lowbit.nvfp4_unprepack(pw, ps, 272)
     with pytest.raises(ValueError, match="nvfp4_unprepack: argument 'k' must be a multiple of 16"):
         lowbit.nvfp4_unprepack(pw, ps, 100)
