@@ -13,6 +13,7 @@
 #   MODE=sanitize bash scripts/gpu_check.sh         compute-sanitizer (memcheck, racecheck,
 #                                                   synccheck, initcheck) over scripts/sanitize_ops.py
 #   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per tool (default 75)
+#   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
 # With 8 workers the whole suite and the build fit in one 10-minute call on
 # an H100 (16 cores); tests.log ends with the slowest tests. The concurrency
 # test (tests/python/test_concurrency.py) runs in the suite; its table goes
@@ -52,8 +53,13 @@ write_record() {
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
   torchv=$("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null)
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  if [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then dirty="dirty (uncommitted changes)"; else dirty="clean"; fi
+  # COMMIT: where the tree was copied without its git history (a lent GPU
+  # machine), the caller names the commit; the tree state is then unknown.
+  if [[ -n ${COMMIT:-} ]]; then commit=$COMMIT; dirty="as given by the caller"
+  else
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    if [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]]; then dirty="dirty (uncommitted changes)"; else dirty="clean"; fi
+  fi
   {
     echo "# GPU run $(date -u +%Y-%m-%d) ($commit, $MODE)"
     echo
