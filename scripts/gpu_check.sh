@@ -140,12 +140,22 @@ if [[ $MODE == sanitize ]]; then
     if [[ $tool == memcheck || $tool == initcheck ]]; then extra_env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); fi
     # Only lowbit's kernels are checked (every one is in namespace lowbit):
     # PyTorch's and cuBLAS's kernels run unchecked (their reports are not
-    # ours, and checking them costs time). API errors are not reported
-    # (PyTorch probes the driver with calls that may fail).
+    # ours, and checking them costs time). initcheck is the exception: it
+    # knows memory as written only by the kernels it follows, so a filter
+    # would report every input that a PyTorch kernel filled. API errors are
+    # not reported (PyTorch probes the driver with calls that may fail).
+    filter=(--kernel-name kns=lowbit)
+    [[ $tool == initcheck ]] && filter=()
+    # racecheck (2025.3) fails with an internal error on a hardware exception
+    # inside cuBLAS's GEMMs: the cases that run one are left out there (their
+    # lowbit kernels, the unpack pass and the FP8 row rounding, run under the
+    # other three tools; the unpack pass also alone under racecheck).
+    cases=()
+    [[ $tool == racecheck ]] && cases=(--skip cuBLAS --skip bmm --skip "FP8 mode")
     env "${extra_env[@]}" LOWBIT_OPS_LIBRARY="$LIB" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
-      timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" --kernel-name kns=lowbit \
+      timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" "${filter[@]}" \
       --target-processes all --report-api-errors no --print-limit 20 --error-exitcode 3 \
-      "$PYTHON" scripts/sanitize_ops.py >"$OUT/sanitize_$tool.log" 2>&1
+      "$PYTHON" scripts/sanitize_ops.py "${cases[@]}" >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/sanitize_$tool.log" | awk '{s += $3} END {print s + 0}')
     fails=$(grep -c '^FAIL ' "$OUT/sanitize_$tool.log")

@@ -42,11 +42,13 @@ import torch  # noqa: E402
 import test_concurrency as tc  # noqa: E402
 
 
-def run_cases(device, families, only):
+def run_cases(device, families, only, skip):
     t0 = time.monotonic()
     cases = tc.build_cases(device, small=True, families=families)
     if only:
         cases = [c for c in cases if any(s in c.name for s in only)]
+    if skip:
+        cases = [c for c in cases if not any(s in c.name for s in skip)]
     failures = 0
     with torch.no_grad():
         for case in cases:
@@ -71,6 +73,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--families", default=None, help="comma-separated: " + ",".join(tc.FAMILIES))
     p.add_argument("--only", action="append", default=[], help="cases whose name contains this (repeatable)")
+    p.add_argument("--skip", action="append", default=[], help="leave out cases whose name contains this (repeatable)")
     p.add_argument("--no-knobs", action="store_true", help="skip the child processes with knob sets")
     p.add_argument("--list", action="store_true")
     a = p.parse_args(argv)
@@ -82,7 +85,7 @@ def main(argv=None):
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("sanitize_ops.py: no CUDA device", file=sys.stderr)
         return 2
-    failed = run_cases(a.device, families, a.only) > 0
+    failed = run_cases(a.device, families, a.only, a.skip) > 0
     if not a.no_knobs:
         knob_families = {"linear", "moe"} & (families or {"linear", "moe"})
         for knobs in tc.KNOB_SETS:
@@ -91,7 +94,7 @@ def main(argv=None):
             env = {k: v for k, v in os.environ.items() if not k.startswith("LOWBIT_") or k == "LOWBIT_OPS_LIBRARY"}
             env.update(knobs)
             cmd = [sys.executable, __file__, "--device", a.device, "--no-knobs", "--families", ",".join(sorted(knob_families))]
-            cmd += [f"--only={s}" for s in a.only]
+            cmd += [f"--only={s}" for s in a.only] + [f"--skip={s}" for s in a.skip]
             rc = subprocess.run(cmd, env=env).returncode
             failed |= rc != 0
     return 1 if failed else 0
