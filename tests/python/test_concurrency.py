@@ -89,6 +89,11 @@ KNOB_SETS = [
 LINEAR_TOL = 4e-3  # test_nvfp4_linear.py REL_TOL
 MOE_TOL = 5e-3  # test_nvfp4_moe.py LOW_TOL
 CPU_MACS = 5e7  # first results are checked against the CPU op up to this many multiply-adds
+# Where the float32 references above CPU_MACS run: on the op's device by
+# default; scripts/sanitize_ops.py sets "cpu", so that no cuBLAS kernel runs
+# in a process under compute-sanitizer (its racecheck fails internally on
+# some of them).
+REFERENCE_DEVICE = None
 
 
 # ------------------------------------------------------------------ helpers --
@@ -112,6 +117,11 @@ def rel_err(y: torch.Tensor, want: torch.Tensor) -> float:
 
 def _cpu(t):
     return None if t is None else t.cpu()
+
+
+def _ref(t):
+    """t on the device the float32 references run on (REFERENCE_DEVICE)."""
+    return t if REFERENCE_DEVICE is None or t is None else t.to(REFERENCE_DEVICE)
 
 
 @dataclass
@@ -237,7 +247,7 @@ def _linear_check(w: LinearWeight, x, bias, fp8_min_rows, tol):
             want = lowbit.nvfp4_linear(x.cpu(), w.pw.cpu(), w.ps.cpu(), w.g.cpu(), _cpu(bias)).double()
             what = "CPU op"
         else:
-            want = x.float() @ w.deq.T + (0 if bias is None else bias.float())
+            want = _ref(x).float() @ _ref(w.deq).T + (0 if bias is None else _ref(bias).float())
             what = "float32 reference"
         err = rel_err(y, want)
         return None if err <= tol else f"rel err {err:.2e} vs the {what} (tolerance {tol:.0e})"
@@ -331,8 +341,8 @@ def add_grouped_linear_cases(b: Builder):
                 if m * G * gn * k <= CPU_MACS:
                     want, what = lowbit.nvfp4_grouped_linear(x.cpu(), w.pw.cpu(), w.ps.cpu(), w.g.cpu(), G), "CPU op"
                 else:
-                    deq = w.deq.view(G, gn, k)
-                    want, what = torch.einsum("mgk,gnk->mgn", x.float(), deq), "float32 reference"
+                    deq = _ref(w.deq).view(G, gn, k)
+                    want, what = torch.einsum("mgk,gnk->mgn", _ref(x).float(), deq), "float32 reference"
                 err = rel_err(y, want)
                 return None if err <= LINEAR_TOL else f"rel err {err:.2e} vs the {what}"
 
@@ -457,7 +467,7 @@ class MoeExperts:
         self.args = (p.w13, p.w13_scale, self.q13.global_scale, p.w2, p.w2_scale, self.q2.global_scale)
 
     def reference(self, x, w, ids, limit):
-        """float32 on the device, one active expert at a time (weights
+        """float32 on x's device, one active expert at a time (weights
         dequantized by lowbit.nvfp4_dequantize, itself checked bit for bit
         against the CPU op); h rounded to x's dtype as the kernels do."""
         out = torch.zeros(x.shape[0], self.H, dtype=torch.float32, device=x.device)
@@ -466,9 +476,9 @@ class MoeExperts:
                 continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
             w13 = lowbit.nvfp4_dequantize(self.q13.packed[e], self.q13.block_scale[e], self.q13.global_scale[e],
-                                          torch.float32)
+                                          torch.float32).to(x.device)
             w2 = lowbit.nvfp4_dequantize(self.q2.packed[e], self.q2.block_scale[e], self.q2.global_scale[e],
-                                         torch.float32)
+                                         torch.float32).to(x.device)
             gu = x[tok].float() @ w13.T
             gate, up = gu[:, : self.I], gu[:, self.I:]
             if limit is not None:
@@ -543,7 +553,7 @@ def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
             cpu_args = [t.cpu() for t in exp.args]
             want, what = lowbit.nvfp4_moe(x.cpu(), w.cpu(), ids.cpu(), *cpu_args, limit).double(), "CPU op"
         else:
-            want, what = exp.reference(x, w, ids, limit), "float32 reference"
+            want, what = exp.reference(_ref(x), _ref(w), _ref(ids), limit), "float32 reference"
         err = rel_err(y, want)
         return None if err <= MOE_TOL else f"rel err {err:.2e} vs the {what}"
 
