@@ -12,7 +12,8 @@
 #   SUITES="quant linear router moe" BENCH_ARGS=--quick ...      benchmarks too (default: none)
 #   MODE=sanitize bash scripts/gpu_check.sh         compute-sanitizer (memcheck, racecheck,
 #                                                   synccheck, initcheck) over scripts/sanitize_ops.py
-#   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per tool (default 75)
+#   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per process (default 75;
+#                                                   racecheck and initcheck: one process per op family)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
 # With 8 workers the whole suite and the build fit in one 10-minute call on
 # an H100 (16 cores); tests.log ends with the slowest tests. The concurrency
@@ -146,20 +147,42 @@ if [[ $MODE == sanitize ]]; then
     # not reported (PyTorch probes the driver with calls that may fail).
     filter=(--kernel-name kns=lowbit)
     [[ $tool == initcheck ]] && filter=()
-    # racecheck (2025.3) fails with an internal error on a hardware exception
-    # inside cuBLAS's GEMMs: the cases that run one are left out there (their
-    # lowbit kernels, the unpack pass and the FP8 row rounding, run under the
-    # other three tools; the unpack pass also alone under racecheck).
+    # racecheck (2025.3) failed internally ("failed to handle a hardware
+    # exception") inside cuBLAS's GEMMs, and initcheck does not see those
+    # kernels' writes: both leave out the cases that run one (their lowbit
+    # kernels, the unpack pass and the FP8 row rounding, run under memcheck
+    # and synccheck; the unpack pass also alone). The checks' float32
+    # references run on the CPU (sanitize_ops.py), so no other cuBLAS call
+    # runs. Both take one process per op family, so that a failure of the
+    # tool stops one family, not the rest.
     cases=()
-    [[ $tool == racecheck ]] && cases=(--skip cuBLAS --skip bmm --skip "FP8 mode")
-    env "${extra_env[@]}" LOWBIT_OPS_LIBRARY="$LIB" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
-      timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" "${filter[@]}" \
-      --target-processes all --report-api-errors no --print-limit 20 --error-exitcode 3 \
-      "$PYTHON" scripts/sanitize_ops.py "${cases[@]}" >"$OUT/sanitize_$tool.log" 2>&1
-    rc=$?
+    families=(all)
+    if [[ $tool == racecheck || $tool == initcheck ]]; then
+      cases=(--skip cuBLAS --skip bmm --skip "FP8 mode")
+      families=(quant linear grouped routing moe)
+    fi
+    : >"$OUT/sanitize_$tool.log"
+    rc=0
+    for family in "${families[@]}"; do
+      fam=()
+      [[ $family == all ]] || fam=(--families "$family")
+      echo "=== $tool ${fam[*]}" >>"$OUT/sanitize_$tool.log"
+      env "${extra_env[@]}" LOWBIT_OPS_LIBRARY="$LIB" PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout -k 10 "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" "${filter[@]}" \
+        --target-processes all --report-api-errors no --print-limit 20 --error-exitcode 3 \
+        "$PYTHON" scripts/sanitize_ops.py "${fam[@]}" "${cases[@]}" >>"$OUT/sanitize_$tool.log" 2>&1
+      r=$?
+      [[ $r -eq 0 ]] || rc=$r
+    done
+    # Reports counted from the summaries, or from the reports themselves
+    # where a process was cut off before its summary.
     errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$OUT/sanitize_$tool.log" | awk '{s += $3} END {print s + 0}')
+    reports=$(grep -cE '^========= +(Invalid|Race|Uninitialized|Barrier|Misaligned|Out-of-range)' "$OUT/sanitize_$tool.log")
+    [[ $errors -ge $reports ]] || errors=$reports
     fails=$(grep -c '^FAIL ' "$OUT/sanitize_$tool.log")
-    if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    if grep -q 'Internal Sanitizer Error' "$OUT/sanitize_$tool.log"; then
+      result="the tool failed internally ($errors reports, $fails cases failed after it)"
+    elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
       result="timeout after ${SANITIZE_TIMEOUT} s ($errors errors so far)"
     elif [[ $errors -gt 0 ]]; then
       result="$errors errors"
