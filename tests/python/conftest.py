@@ -26,6 +26,7 @@ XDIST_GROUPS = {"test_aoti.py": "aoti"}
 # scripts/gpu_check.sh prints), started first so that under pytest-xdist
 # none of them begins last and holds the run's end.
 SLOW_FIRST = (
+    "test_aoti.py",  # one xdist group: its packages, in turn, on one worker
     "test_hf_models.py::test_quantized_model_in_an_aoti_package",
     "test_nvfp4_linear.py::test_compile_inductor_fullgraph",
     "test_nn_moe.py::test_cuda_matches_reference_and_cpu",
