@@ -108,19 +108,23 @@ def split_params(demangled: str) -> list[str]:
             if depth == 0:
                 break
         i -= 1
-    inner = s[i + 1 : -1]
+    return [p for p in split_top_level(s[i + 1 : -1], "<([", ">)]") if p != "void"]
+
+
+def split_top_level(s: str, opens: str, closes: str) -> list[str]:
+    """s split at the commas outside any bracket of `opens` / `closes`."""
     out, cur, depth = [], "", 0
-    for ch in inner:
-        if ch in "<([":
+    for ch in s:
+        if ch in opens:
             depth += 1
-        elif ch in ">)]":
+        elif ch in closes:
             depth -= 1
         if ch == "," and depth == 0:
             out.append(cur.strip())
             cur = ""
         else:
             cur += ch
-    if cur.strip() and cur.strip() != "void":
+    if cur.strip():
         out.append(cur.strip())
     return out
 
@@ -197,27 +201,12 @@ def parse_elf(text: str) -> dict[str, dict]:
 # ---- dataflow -------------------------------------------------------------------------
 
 
-def split_operands(s: str) -> list[str]:
-    out, cur, depth = [], "", 0
-    for ch in s:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
 
 
 def decode(ins: str) -> tuple[str, list[str]]:
     ins = re.sub(r"^@!?U?P\w+\s+", "", ins.strip())
     parts = ins.split(None, 1)
-    return parts[0], split_operands(parts[1]) if len(parts) > 1 else []
+    return parts[0], split_top_level(parts[1], "[", "]") if len(parts) > 1 else []
 
 
 def regs_of(operand: str, width: int) -> list[str]:
