@@ -15,8 +15,8 @@
 #   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per process (default 75;
 #                                                   racecheck and initcheck: one process per op family)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
-# With 8 workers the whole suite and the build fit in one 10-minute call on
-# an H100 (16 cores); tests.log ends with the slowest tests. The concurrency
+# With 8 workers the build and the whole suite take about 6 minutes on an
+# H100 machine (16 cores); tests.log ends with the slowest tests. The concurrency
 # test (tests/python/test_concurrency.py) runs in the suite; its table goes
 # to $OUT/concurrency.md.
 set -uo pipefail
@@ -54,7 +54,7 @@ write_record() {
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
   torchv=$("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null)
-  # COMMIT: where the tree was copied without its git history (a lent GPU
+  # COMMIT: where the tree was copied without its git history (to a GPU
   # machine), the caller names the commit; the tree state is then unknown.
   if [[ -n ${COMMIT:-} ]]; then commit=$COMMIT; dirty="as given by the caller"
   else
