@@ -25,7 +25,7 @@ TORCH_LIBRARY(lowbit, m) {
   // Build flags of this library, e.g. "cuda=1 arch=sm_90a".
   m.def("build_info() -> str", &build_info);
 
-  // MoE routing (routing_ops.cpp; math in csrc/lowbit/routing.h). Returns
+  // MoE routing (routing_ops.cpp; math in csrc/lowbit/routing/routing.h). Returns
   // (weights float32 [M, k], ids int32 [M, k]), ids in descending score
   // order, ties to the lower expert index. score_func: "sqrtsoftplus"
   // (DeepSeek-V4), "sigmoid" (DeepSeek-V3) or "softmax". k, n_group and
@@ -46,7 +46,7 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("hash_router(Tensor token_ids, Tensor tid2eid, Tensor? logits, str score_func=\"sqrtsoftplus\", str weighting=\"gate\", bool renormalize=True, float routed_scaling_factor=1.0, int? n_experts=None) -> (Tensor, Tensor)");
   m.def("topk(Tensor input, int k) -> (Tensor, Tensor)");
 
-  // NVFP4 format (nvfp4_quant_ops.cpp). input [N, K] or stacked experts
+  // NVFP4 format (format_ops.cpp). input [N, K] or stacked experts
   // [E, N, K]; global_scale [] or [E] in the ModelOpt convention
   // (amax / 2688). Returns packed uint8 [..., K/2], float8_e4m3fn block
   // scales [..., K/16] and float32 global scale(s). Block scales may also be
@@ -54,15 +54,15 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("nvfp4_quantize(Tensor input, Tensor? global_scale=None) -> (Tensor, Tensor, Tensor)");
   m.def("nvfp4_dequantize(Tensor packed, Tensor block_scale, Tensor global_scale, ScalarType? out_dtype=None) -> Tensor");
 
-  // NVFP4 Linear, W4A16 (nvfp4_linear_ops.cpp; layout in
-  // csrc/lowbit/nvfp4_gemm_layout.h). nvfp4_prepack converts a checkpoint
+  // NVFP4 Linear, W4A16 (linear_ops.cpp; layout in
+  // csrc/lowbit/linear/nvfp4_linear_layout.h). nvfp4_prepack converts a checkpoint
   // weight (uint8 [N, K/2], E4M3 scales [N, K/16]) once, at load time, to
   // (uint8 [N, Kp/2], uint8 [N, (2 Kp - K)/16]), Kp = K rounded up to 128,
   // the same layout on every device; the shapes record K, which the ops
   // check against x's (or the argument k). nvfp4_linear: x [..., K] -> [..., N] in x's
   // dtype, y = x W^T * weight_global (+ bias [N], x's dtype). From
   // fp8_min_rows rows of x (0: never) it runs the FP8 mode instead: W and x
-  // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/nvfp4_gemm.h).
+  // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/linear/nvfp4_linear.h).
   // nvfp4_unpack: the prepacked weight dequantized, [N, K] in `dtype` (global
   // scale included, one rounding); nvfp4_linear's backward uses it.
   // nvfp4_unprepack: the inverse of nvfp4_prepack, back to the checkpoint
@@ -84,8 +84,8 @@ TORCH_LIBRARY(lowbit, m) {
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
       "int fp8_min_rows=0) -> Tensor");
 
-  // NVFP4 MoE experts, W4A16 (nvfp4_moe_ops.cpp; kernels in
-  // csrc/lowbit/nvfp4_moe.cu). nvfp4_moe_prepack converts stacked checkpoint
+  // NVFP4 MoE experts, W4A16 (moe_ops.cpp; kernels in
+  // csrc/lowbit/moe/nvfp4_moe.cu). nvfp4_moe_prepack converts stacked checkpoint
   // experts (w13 uint8 [E, 2I, H/2] gate rows then up rows, w2 uint8
   // [E, H, I/2], E4M3 block scales [..., K/16]) once, at load time, to the
   // Linear's prepacked layout per expert with W13's gate / up rows

@@ -7,8 +7,8 @@
 #include <string>
 #include <tuple>
 
-#include "lowbit/routing.h"
-#include "lowbit/topk.h"
+#include "lowbit/routing/routing.h"
+#include "lowbit/routing/topk.h"
 
 namespace lowbit::ops {
 

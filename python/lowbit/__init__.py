@@ -4,7 +4,7 @@ from ._library import build_info, has_cuda_kernels, load as _load, ops_library_p
 
 _load()
 
-from .ops import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
+from .format import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
 from .linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack  # noqa: E402
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402

@@ -3,10 +3,10 @@
 ``nn.Linear`` layers for :class:`lowbit.nn.Nvfp4Linear`).
 
 The weight is prepacked once, at load time, into the layout of
-``csrc/lowbit/nvfp4_gemm_layout.h`` (the same on CPU and GPU, so a module can
+``csrc/lowbit/linear/nvfp4_linear_layout.h`` (the same on CPU and GPU, so a module can
 be moved with ``.to()``). On CUDA, fused decode + tensor core kernels run
 M <= 2048 rows (mma.sync up to 16 rows, then wgmma; the dispatch table is in
-``csrc/lowbit/nvfp4_gemm.h``); above that the weight is unpacked to x's
+``csrc/lowbit/linear/nvfp4_linear.h``); above that the weight is unpacked to x's
 dtype and cuBLAS runs. The CPU kernel (the reference) unpacks to FP32 and
 does an FP32 matmul.
 """
@@ -50,7 +50,7 @@ def nvfp4_unprepack(weight: Tensor, weight_scale: Tensor, k: int) -> Nvfp4Checkp
     Byte for byte the original for positive finite block scales (all that
     quantizers write); zero, negative and NaN block scales, which the
     prepacked layout folds into the codes, come back as the same values
-    (see csrc/lowbit/nvfp4_gemm.h). Runs on the host; the outputs are on
+    (see csrc/lowbit/linear/nvfp4_linear.h). Runs on the host; the outputs are on
     the weight's device."""
     w, s = torch.ops.lowbit.nvfp4_unprepack(weight, weight_scale, k)
     return Nvfp4CheckpointWeight(w, s)

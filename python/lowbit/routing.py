@@ -1,7 +1,7 @@
 """Typed Python entry points of the MoE routing operators and top-k.
 
 Each function is a thin call into ``torch.ops.lowbit.*`` (defined in C++ with
-CPU, CUDA and Meta kernels; math in csrc/lowbit/routing.h), so it works in
+CPU, CUDA and Meta kernels; math in csrc/lowbit/routing/routing.h), so it works in
 eager mode, under ``torch.compile(fullgraph=True)``, in CUDA graphs and in
 ``torch.export``.
 

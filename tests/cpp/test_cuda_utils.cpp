@@ -27,7 +27,7 @@ TEST(CudaUtils, OnlyComputeCapability90RunsTheKernels) {
 
 #if defined(LOWBIT_WITH_CUDA)
 namespace lowbit::cuda {
-// From lowbit/cuda_utils.cuh, which also holds device code a host compiler
+// From lowbit/arch/cuda_utils.cuh, which also holds device code a host compiler
 // cannot take.
 int smem_per_sm();
 int smem_for_ctas_per_sm(int bytes, int ctas);

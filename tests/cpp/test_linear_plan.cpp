@@ -7,10 +7,10 @@
 #include <gtest/gtest.h>
 
 #if defined(LOWBIT_WITH_CUDA)
-#include "lowbit/nvfp4_gemm.h"
+#include "lowbit/linear/nvfp4_linear.h"
 
 namespace lowbit::cuda {
-// From lowbit/cuda_utils.cuh, which also holds device code a host compiler
+// From lowbit/arch/cuda_utils.cuh, which also holds device code a host compiler
 // cannot take.
 int num_sms();
 int smem_per_sm();

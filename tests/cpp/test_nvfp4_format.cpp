@@ -8,9 +8,9 @@
 #include <random>
 #include <vector>
 
-#include "lowbit/float_convert.h"
-#include "lowbit/nvfp4_format.h"
-#include "lowbit/nvfp4_quant.h"
+#include "lowbit/format/float_convert.h"
+#include "lowbit/format/nvfp4_format.h"
+#include "lowbit/format/nvfp4_quant.h"
 
 #if defined(LOWBIT_WITH_CUDA)
 #include <cuda_fp8.h>

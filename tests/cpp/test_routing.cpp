@@ -10,8 +10,8 @@
 #include <random>
 #include <vector>
 
-#include "lowbit/routing.h"
-#include "lowbit/topk.h"
+#include "lowbit/routing/routing.h"
+#include "lowbit/routing/topk.h"
 
 using namespace lowbit;
 using namespace lowbit::routing;

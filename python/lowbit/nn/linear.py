@@ -25,11 +25,11 @@ import torch
 from torch import Tensor, nn
 
 from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unprepack
-from ..ops import nvfp4_quantize
+from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
 # The prepacked layout's padding scale byte (E4M3 1.0 re-encoded,
-# csrc/lowbit/nvfp4_gemm_layout.h), which fills the scale bytes that record K.
+# csrc/lowbit/linear/nvfp4_linear_layout.h), which fills the scale bytes that record K.
 _PADDING_SCALE_BYTE = 0x8A
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..moe import nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack
-from ..ops import nvfp4_quantize
+from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 from .linear import Nvfp4Linear
 from .router import Router

@@ -2,11 +2,11 @@
 // weighted combine, out[t] = sum_j w[t, j] * Expert_{id[t, j]}(x[t]), with
 // Expert_e(x) = W2_e (silu(min(g, L)) * clamp(u, -L, L)), [g; u] = W13_e x.
 // Arguments are validated by the caller (csrc/torch); the CPU reference lives
-// in the binding (csrc/torch/nvfp4_moe_ops.cpp).
+// in the binding (csrc/torch/moe_ops.cpp).
 //
-// Weights: the Linear's prepacked layout (nvfp4_gemm_layout.h), experts
+// Weights: the Linear's prepacked layout (nvfp4_linear_layout.h), experts
 // stacked along N, so expert e's tiles start at row e * N. W13's rows are
-// interleaved at prepack (interleave_w13 in csrc/torch/nvfp4_moe_ops.cpp) so
+// interleaved at prepack (interleave_w13 in csrc/torch/moe_ops.cpp) so
 // each 16-row tile holds gate rows 8 j .. 8 j + 7 and then the up rows of the
 // same intermediate columns: the GEMM's epilogue finds gate and up of one
 // output in the same lane and fuses the SwiGLU.

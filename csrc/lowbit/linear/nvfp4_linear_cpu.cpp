@@ -1,9 +1,9 @@
 // CPU reference of the NVFP4 Linear layout: prepack, unpack (to dequantized
 // values) and unprepack (back to the checkpoint layout). The CPU Linear is
 // unpack + an FP32 matmul in the binding.
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "lowbit/float_convert.h"
+#include "lowbit/format/float_convert.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
 
 #include <cstring>
 

@@ -1,8 +1,9 @@
 // Device building blocks of the NVFP4 W4A16 GEMMs (the Linear in
-// nvfp4_gemm.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
+// nvfp4_linear.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
 // the mma.m16n8k16 wrappers, the per-warp main loop over 128-column tiles of
-// the prepacked layout (nvfp4_gemm_layout.h) and the fixed-order sum of the
+// the prepacked layout (nvfp4_linear_layout.h) and the fixed-order sum of the
 // warps' partial fragments.
+// Shared with the MoE as nvfp4_wgmma.cuh is, and kept in linear/ with it.
 //
 // CTA shape shared by both GEMMs: kWarps warps per 16-row tile of W; the
 // warps take the tile's 128-column k-tiles in turn (warp w: w, w + kWarps,
@@ -14,9 +15,9 @@
 // one ("swap AB").
 #pragma once
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "lowbit/sm90.cuh"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/arch/sm90.cuh"
+#include "lowbit/linear/nvfp4_linear_layout.h"
 
 namespace lowbit::nvfp4::gemm::mma {
 
@@ -158,7 +159,7 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restric
 
 // A fragment of k-tile kt, e2m1 * block scale * 2^-8 exactly: the lane word
 // w of the codes and the scale word sw = scale words[kt / 2] of its tile
-// (rows g and g + 8; see nvfp4_gemm_layout.h).
+// (rows g and g + 8; see nvfp4_linear_layout.h).
 template <typename T>
 __device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt, uint32_t (&a)[4]) {
   Mma<T>::decode(w, a);

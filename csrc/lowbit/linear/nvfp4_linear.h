@@ -1,10 +1,10 @@
 // NVFP4 Linear (W4A16): y = x W^T * global (+ bias), with W in the prepacked
-// layout of nvfp4_gemm_layout.h. Argument structs and the CPU / CUDA entry
+// layout of nvfp4_linear_layout.h. Argument structs and the CPU / CUDA entry
 // points; arguments are validated by the caller (csrc/torch).
 #pragma once
 
 #include "lowbit/common.h"
-#include "lowbit/nvfp4_gemm_layout.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
 
 #if defined(LOWBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -58,7 +58,7 @@ struct LinearArgs {
   void* workspace;             // LinearPlan::workspace_bytes, 256-byte aligned (null when 0)
 };
 
-// The FP8 mode of the Linear (W4A8 on FP8 tensor cores; nvfp4_gemm_fp8.cu):
+// The FP8 mode of the Linear (W4A8 on FP8 tensor cores; nvfp4_linear_fp8.cu):
 // W and x rounded to E4M3 with one FP32 scale per row, then an FP8 GEMM with
 // FP32 sums (the caller's: cuBLASLt through at::_scaled_mm). Per row of
 // values v (a W row: e2m1 * block scale, exact in FP32, the global scale left
@@ -97,7 +97,7 @@ cudaError_t fp8_weight_cuda(const Fp8WeightArgs& args, cudaStream_t stream);
 cudaError_t fp8_rows_cuda(const Fp8RowsArgs& args, cudaStream_t stream);
 
 // How the fused GEMM runs a problem, chosen on the host from the shape and
-// the device (nvfp4_gemm.cu and nvfp4_gemm_wgmma.cu describe the kernels):
+// the device (nvfp4_linear.cu and nvfp4_linear_wgmma.cu describe the kernels):
 //   M <= kStreamMaxM  stream kernel: 1-8 warps per 16-row W tile, each
 //                     streaming its k-tiles (W and x) through a cp.async
 //                     ring in shared memory (2 slots for runs of 6 k-tiles
@@ -118,7 +118,7 @@ cudaError_t fp8_rows_cuda(const Fp8RowsArgs& args, cudaStream_t stream);
 //                     most 4 warps where they run in one wave with K split
 //                     in 2 at most; at 5..8 where the one-tile plan runs
 //                     one warp per tile, unsplit: stream_tiles_pay in
-//                     nvfp4_gemm.cu
+//                     nvfp4_linear.cu
 //   kPanelMinM <= M <= kPanelMaxM
 //                     panel kernel, where its grid runs in one wave: 8 warps
 //                     on 128 W rows over one K chunk whose x rows sit in
@@ -206,13 +206,13 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1, int stag
 // once) turns the stream-K form off, or on at M <= 8 wherever it can run
 // (Linear v21). LOWBIT_STREAM_TILES=1|2 (read once) turns two W tiles per
 // warp off, or on at 5..16 rows wherever the stream kernel can run
-// (Linear v23, stream_tiles_pay in nvfp4_gemm.cu). LOWBIT_STREAM_STAGES=2|3
+// (Linear v23, stream_tiles_pay in nvfp4_linear.cu). LOWBIT_STREAM_STAGES=2|3
 // (read once) sets the stream kernel's ring slots (Linear v25,
-// stream_stages in nvfp4_gemm.cu). LOWBIT_STREAM_SPLITS=s (read once) sets
+// stream_stages in nvfp4_linear.cu). LOWBIT_STREAM_SPLITS=s (read once) sets
 // its K splits (at most its k-tiles), for probes and tests.
 cudaError_t linear_fused_cuda(const LinearArgs& args, const LinearPlan& plan, cudaStream_t stream);
 
-// The wgmma kernel (nvfp4_gemm_wgmma.cu): tokens per tile (128 or 256), K
+// The wgmma kernel (nvfp4_linear_wgmma.cu): tokens per tile (128 or 256), K
 // splits, whether CTAs pair up to share the decode, launch.
 int linear_wgmma_tokens(int64_t m);
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k);

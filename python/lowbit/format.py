@@ -1,4 +1,5 @@
-"""Typed Python entry points of the lowbit operators.
+"""Typed Python entry points of the NVFP4 format family: the codecs between
+high-precision tensors and NVFP4 (``nvfp4_quantize``, ``nvfp4_dequantize``).
 
 Each function is a thin call into ``torch.ops.lowbit.*`` (defined in C++, with
 CPU, CUDA and Meta kernels), so it works in eager mode, under
@@ -32,7 +33,7 @@ class Nvfp4Tensor(NamedTuple):
 
 def nvfp4_quantize(input: Tensor, global_scale: Tensor | None = None) -> Nvfp4Tensor:
     """Quantizes ``input`` ([N, K] or stacked experts [E, N, K], K % 16 == 0,
-    bf16/fp16/fp32) to NVFP4 with the reference rule of csrc/lowbit/nvfp4_format.h.
+    bf16/fp16/fp32) to NVFP4 with the reference rule of csrc/lowbit/format/nvfp4_format.h.
 
     ``global_scale`` ([] or [E], float32, amax / 2688 convention) is computed
     per tensor / per expert from the data unless given. A given scale must be

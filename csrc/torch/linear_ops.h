@@ -7,8 +7,8 @@
 #include <functional>
 #include <tuple>
 
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
 
 namespace lowbit::ops {
 
@@ -17,7 +17,7 @@ inline c10::SymInt padded_k_sym(const c10::SymInt& k) {
   return (k + (nvfp4::gemm::kTileK - 1)) / nvfp4::gemm::kTileK * nvfp4::gemm::kTileK;
 }
 // Columns of the prepacked scale tensor for K: (2 Kp - K) / 16, which record
-// K (csrc/lowbit/nvfp4_gemm_layout.h).
+// K (csrc/lowbit/linear/nvfp4_linear_layout.h).
 inline c10::SymInt prepacked_scale_cols_sym(const c10::SymInt& k) {
   return (padded_k_sym(k) * 2 - k) / nvfp4::kBlockSize;
 }
@@ -75,7 +75,7 @@ void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows);
 c10::SymDimVector grouped_linear_output_shape(const at::Tensor& x, const at::Tensor& weight, int64_t n_groups);
 
-// Whether a call of m rows runs the FP8 mode (nvfp4_gemm.h, Fp8WeightArgs):
+// Whether a call of m rows runs the FP8 mode (nvfp4_linear.h, Fp8WeightArgs):
 // fp8_min_rows > 0 and m >= fp8_min_rows.
 inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_rows > 0 && m >= fp8_min_rows; }
 
@@ -83,7 +83,7 @@ inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_ro
 // kernel for float32 x, which the fused and FP8 kernels do not take):
 // `unpack_fp32(global)` returns the weight [N, K] in FP32 times `global` (a
 // float32 [] tensor); FP32 products, the bias added in FP32, the result in
-// x's dtype; from fp8_min_rows rows the FP8 mode's rule (nvfp4_gemm.h).
+// x's dtype; from fp8_min_rows rows the FP8 mode's rule (nvfp4_linear.h).
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
                             const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
                             const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32);

@@ -32,7 +32,7 @@
 // 8-byte load of 4 consecutive x values.
 // Bits of the word: each register's two codes sit where a shift/rotate and a
 // mask turn them into a bf16x2 whose halves are e2m1 * 2^-126 (sign bit 15,
-// magnitude bits 8..6; see kCodeSlot and decode in nvfp4_gemm.cu).
+// magnitude bits 8..6; see kCodeSlot and decode in nvfp4_linear.cu).
 //
 // Scales: the 128 bytes of a tile hold, at g * 16 + 2 kt + (0: row g, 1: row
 // g+8), a re-encoded scale byte: c = (E5 << 3) | M with value
@@ -45,7 +45,7 @@
 // bits; padding columns k >= K have code 0 and scale 1.
 #pragma once
 
-#include "lowbit/nvfp4_format.h"
+#include "lowbit/format/nvfp4_format.h"
 
 namespace lowbit::nvfp4::gemm {
 

@@ -1,6 +1,8 @@
 // The warp-specialized NVFP4 wgmma GEMM shared by the Linear (129..2048
-// rows, nvfp4_gemm_wgmma.cu) and the MoE experts with many rows
+// rows, nvfp4_linear_wgmma.cu) and the MoE experts with many rows
 // (nvfp4_moe.cu): the weight decoded into shared memory by warps of its own.
+// It is the Linear's GEMM machinery, so it lives in linear/; the MoE
+// (moe/nvfp4_moe.cu) includes it from here.
 //
 // Per output tile of 128 W rows x NT tokens (NT = 256 or 128), K in steps of
 // 64, computed transposed (y^T = W x^T):
@@ -39,11 +41,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "lowbit/nvfp4_mma.cuh"
-#include "lowbit/sm90.cuh"
-#include "lowbit/tensor_map.h"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/arch/sm90.cuh"
+#include "lowbit/arch/tensor_map.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
+#include "lowbit/linear/nvfp4_mma.cuh"
 
 namespace lowbit::nvfp4::gemm::wgmma {
 

@@ -1,6 +1,6 @@
 // CUDA kernels of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: adapters to the core
-// launchers in csrc/lowbit/nvfp4_gemm*.cu. gemm::linear_plan picks the
-// kernel from M and the shape (the table in nvfp4_gemm.h: fused kernels up
+// launchers in csrc/lowbit/linear/nvfp4_linear*.cu. gemm::linear_plan picks the
+// kernel from M and the shape (the table in nvfp4_linear.h: fused kernels up
 // to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
 // kernel's x image), taken from the caching allocator. Above that
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
@@ -14,8 +14,8 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
-#include "lowbit/nvfp4_gemm.h"
-#include "nvfp4_linear_ops.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "linear_ops.h"
 
 namespace lowbit::ops {
 namespace {
@@ -76,7 +76,7 @@ gemm::LinearArgs fused_args(const at::Tensor& x, const at::Tensor& w, const at::
   return a;
 }
 
-// The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/nvfp4_gemm_fp8.cu),
+// The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/linear/nvfp4_linear_fp8.cu),
 // then cuBLASLt's FP8 GEMM with the row scales and the bias in its epilogue.
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
                            const c10::optional<at::Tensor>& bias, cudaStream_t stream) {

@@ -45,12 +45,12 @@
 #include <limits>
 #include <string>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "lowbit/nvfp4_mma.cuh"
-#include "lowbit/nvfp4_moe.h"
-#include "lowbit/nvfp4_wgmma.cuh"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
+#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_wgmma.cuh"
+#include "lowbit/moe/nvfp4_moe.h"
 
 namespace lowbit::nvfp4::moe {
 namespace {

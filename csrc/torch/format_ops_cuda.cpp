@@ -1,5 +1,5 @@
 // CUDA kernels of lowbit::nvfp4_quantize / nvfp4_dequantize: thin adapters
-// from at::Tensor to the core launchers in csrc/lowbit/nvfp4_quant.cu.
+// from at::Tensor to the core launchers in csrc/lowbit/format/nvfp4_quant.cu.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -9,7 +9,7 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
-#include "nvfp4_quant_ops.h"
+#include "format_ops.h"
 
 namespace lowbit::ops {
 namespace {

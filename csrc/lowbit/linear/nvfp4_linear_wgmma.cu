@@ -6,16 +6,16 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_wgmma.cuh"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_wgmma.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
 
 using wgmma::kBN;
 using wgmma::kMaxSplits;
-static_assert(kBN == kWgmmaBlockRows, "nvfp4_gemm.h names the wgmma block's rows for the bindings");
+static_assert(kBN == kWgmmaBlockRows, "nvfp4_linear.h names the wgmma block's rows for the bindings");
 
 // Token tile blockIdx.z of NT tokens (pairs: 2 blockIdx.z + blockIdx.x),
 // W block blockIdx.y of 128 rows. Grouped (group_n > 0): W rows

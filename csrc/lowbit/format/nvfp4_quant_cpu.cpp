@@ -1,8 +1,8 @@
 // CPU reference kernels for NVFP4 quantize / dequantize: straight loops over
 // the rule in nvfp4_format.h, the ground truth the CUDA kernels must match.
-#include "lowbit/float_convert.h"
-#include "lowbit/nvfp4_format.h"
-#include "lowbit/nvfp4_quant.h"
+#include "lowbit/format/float_convert.h"
+#include "lowbit/format/nvfp4_format.h"
+#include "lowbit/format/nvfp4_quant.h"
 
 namespace lowbit::nvfp4 {
 namespace {

@@ -13,9 +13,9 @@
 // hash_route: one warp per token, lanes over the k table entries.
 #include <type_traits>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/routing.h"
-#include "lowbit/topk.h"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/routing/routing.h"
+#include "lowbit/routing/topk.h"
 
 namespace lowbit::routing {
 namespace {

@@ -1,6 +1,6 @@
 // Bindings of lowbit::nvfp4_quantize / nvfp4_dequantize: validation, output
-// allocation, and the CPU and Meta kernels (CUDA in nvfp4_quant_ops_cuda.cpp).
-#include "nvfp4_quant_ops.h"
+// allocation, and the CPU and Meta kernels (CUDA in format_ops_cuda.cpp).
+#include "format_ops.h"
 
 #include <torch/library.h>
 

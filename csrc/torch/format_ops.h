@@ -6,8 +6,8 @@
 
 #include <tuple>
 
-#include "lowbit/nvfp4_format.h"
-#include "lowbit/nvfp4_quant.h"
+#include "lowbit/format/nvfp4_format.h"
+#include "lowbit/format/nvfp4_quant.h"
 
 namespace lowbit::ops {
 

@@ -13,9 +13,9 @@
 // reduces amax per group (atomicMax on the float bits: |x| >= 0, so unsigned
 // order is float order and NaN bits sort above inf, which is the
 // NaN-propagating max of the rule for free).
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_format.h"
-#include "lowbit/nvfp4_quant.h"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/format/nvfp4_format.h"
+#include "lowbit/format/nvfp4_quant.h"
 
 namespace lowbit::nvfp4 {
 namespace {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "lowbit/float_convert.h"
-#include "lowbit/routing.h"
+#include "lowbit/format/float_convert.h"
+#include "lowbit/routing/routing.h"
 
 namespace lowbit::routing {
 namespace {

@@ -1,5 +1,5 @@
 // CUDA kernel of lowbit::nvfp4_moe: an adapter to the launcher in
-// csrc/lowbit/nvfp4_moe.cu. Its workspace (sorted order, work items, h and
+// csrc/lowbit/moe/nvfp4_moe.cu. Its workspace (sorted order, work items, h and
 // the per-pair expert outputs) comes from the caching allocator, sized from
 // the shapes, so the op captures in CUDA graphs with no host synchronization.
 #include <ATen/cuda/CUDAContext.h>
@@ -9,8 +9,8 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
-#include "lowbit/nvfp4_moe.h"
-#include "nvfp4_moe_ops.h"
+#include "lowbit/moe/nvfp4_moe.h"
+#include "moe_ops.h"
 
 namespace lowbit::ops {
 namespace {

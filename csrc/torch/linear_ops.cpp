@@ -1,16 +1,16 @@
 // Bindings of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: validation and the CPU
-// and Meta kernels (CUDA in nvfp4_linear_ops_cuda.cpp). The CPU Linear is
+// and Meta kernels (CUDA in linear_ops_cuda.cpp). The CPU Linear is
 // the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
 // bias added in FP32, the result in x's dtype; in the FP8 mode, the same on
 // the E4M3-rounded rows with their scales.
-#include "nvfp4_linear_ops.h"
+#include "linear_ops.h"
 
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include "checks.h"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
 
 namespace lowbit::ops {
 namespace {
@@ -87,7 +87,7 @@ nvfp4::gemm::UnpackArgs unpack_args(const at::Tensor& weight, const at::Tensor& 
 namespace {
 
 // The K recorded by the shapes of a prepacked weight [N, Kp/2] and scales
-// [N, (2 Kp - K)/16] (nvfp4_gemm_layout.h), or -1 where the shapes are not
+// [N, (2 Kp - K)/16] (nvfp4_linear_layout.h), or -1 where the shapes are not
 // such a pair (or are symbolic). Both 2-D.
 int64_t recorded_k(const at::Tensor& weight, const at::Tensor& weight_scale) {
   const auto n = weight.sym_size(0).maybe_as_int(), w_cols = weight.sym_size(1).maybe_as_int();
@@ -265,7 +265,7 @@ at::Tensor unpacked_cpu(const at::Tensor& w, const at::Tensor& s, const at::Tens
   return out;
 }
 
-// The FP8 mode's rounding of FP32 rows `v` [R, K] (nvfp4_gemm.h,
+// The FP8 mode's rounding of FP32 rows `v` [R, K] (nvfp4_linear.h,
 // Fp8WeightArgs): the E4M3 values (as FP32) and each row's amax / 448.
 std::tuple<at::Tensor, at::Tensor> fp8_rows_reference(const at::Tensor& v) {
   using nvfp4::gemm::kE4m3Max;

@@ -1,5 +1,5 @@
 // Host-side CUDA helpers (device properties, kernel attributes).
-#include "lowbit/cuda_utils.cuh"
+#include "lowbit/arch/cuda_utils.cuh"
 
 #include <algorithm>
 #include <map>

@@ -2,22 +2,22 @@
 // validation, the prepack and its inverse (one implementation for every
 // device: a row interleave of W13 and the Linear's prepack or unprepack
 // through the dispatcher), and the CPU and Meta kernels of the MoE (CUDA in
-// nvfp4_moe_ops_cuda.cpp).
+// moe_ops_cuda.cpp).
 //
 // The CPU MoE is the reference: per expert that received tokens, dequantize
 // its weights to FP32, gate_up = x W13^T in FP32, the clamped SwiGLU in FP32,
 // h rounded to x's dtype (as the GPU must round it for its second GEMM),
 // y = h W2^T in FP32, accumulated with the routing weights in FP32; the
 // result is rounded once to x's dtype.
-#include "nvfp4_moe_ops.h"
+#include "moe_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "checks.h"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "nvfp4_linear_ops.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
+#include "linear_ops.h"
 
 namespace lowbit::ops {
 namespace {

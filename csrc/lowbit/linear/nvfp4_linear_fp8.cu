@@ -1,13 +1,13 @@
 // The NVFP4 Linear's FP8 mode: the prepacked weight and x rounded to E4M3
-// with a scale per row (the rule in nvfp4_gemm.h, Fp8WeightArgs), for an FP8
+// with a scale per row (the rule in nvfp4_linear.h, Fp8WeightArgs), for an FP8
 // GEMM on the tensor cores (the caller runs it).
 #include <cuda_fp8.h>
 
 #include <cstdint>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_mma.cuh"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_mma.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {

@@ -4,8 +4,8 @@
 #include <numeric>
 #include <vector>
 
-#include "lowbit/float_convert.h"
-#include "lowbit/topk.h"
+#include "lowbit/format/float_convert.h"
+#include "lowbit/routing/topk.h"
 
 namespace lowbit::topk {
 

@@ -7,8 +7,8 @@
 //   2. grid (rows): a CTA radix-selects the top k among the row's candidates,
 //      sorts them by rank (key desc, column asc) and gathers the values from
 //      the input, bit for bit.
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/topk.h"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/routing/topk.h"
 
 namespace lowbit::topk {
 namespace {

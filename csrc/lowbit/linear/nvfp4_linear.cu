@@ -1,7 +1,7 @@
 // CUDA kernels of the NVFP4 Linear: prepack, unpack (dequantize the prepacked
 // weight, used by the largest-M path: unpack + cuBLAS in the binding), the
 // four mma.sync GEMMs below and linear_plan, which also picks the wgmma
-// kernel of nvfp4_gemm_wgmma.cu (nvfp4_gemm.h):
+// kernel of nvfp4_linear_wgmma.cu (nvfp4_linear.h):
 //
 // Stream (M <= 8; 5..16 with two W tiles per warp) and narrow (M <= 16):
 // one CTA of 1, 2, 4 or 8 warps per 16-row tile of W (or tile pair, and per
@@ -34,16 +34,16 @@
 #include <cstdlib>
 #include <string>
 
-#include "lowbit/cuda_utils.cuh"
-#include "lowbit/nvfp4_gemm.h"
-#include "lowbit/nvfp4_gemm_layout.h"
-#include "lowbit/nvfp4_mma.cuh"
-#include "lowbit/tensor_map.h"
+#include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/arch/tensor_map.h"
+#include "lowbit/linear/nvfp4_linear.h"
+#include "lowbit/linear/nvfp4_linear_layout.h"
+#include "lowbit/linear/nvfp4_mma.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
 
-// A development knob (nvfp4_gemm.h): the integer in environment variable
+// A development knob (nvfp4_linear.h): the integer in environment variable
 // `name`, or `unset`. Callers read it once (a function-local static).
 int env_int(const char* name, int unset) {
   const char* v = std::getenv(name);
@@ -919,7 +919,7 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp, int stages) 
 }
 
 namespace {
-// LOWBIT_STREAM_WARPS (nvfp4_gemm.h): the forced warps per stream CTA, or 0.
+// LOWBIT_STREAM_WARPS (nvfp4_linear.h): the forced warps per stream CTA, or 0.
 int forced_stream_warps() {
   static const int forced = [] {
     const int w = env_int("LOWBIT_STREAM_WARPS", 0);
@@ -940,7 +940,7 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_pe
 }
 
 namespace {
-// LOWBIT_LINEAR_PATH (nvfp4_gemm.h): the forced path, or -1.
+// LOWBIT_LINEAR_PATH (nvfp4_linear.h): the forced path, or -1.
 int forced_path() {
   static const int path = [] {
     const char* v = std::getenv("LOWBIT_LINEAR_PATH");
@@ -1103,7 +1103,7 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
   return best;
 }
 
-// LOWBIT_STREAM_CTAS_PER_SM (nvfp4_gemm.h): the forced cap, or 0.
+// LOWBIT_STREAM_CTAS_PER_SM (nvfp4_linear.h): the forced cap, or 0.
 int forced_stream_cap() {
   static const int cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
   return cap;
