@@ -2,13 +2,8 @@
 // validation, the prepack and its inverse (one implementation for every
 // device: a row interleave of W13 and the Linear's prepack or unprepack
 // through the dispatcher), and the CPU and Meta kernels of the MoE (CUDA in
-// moe_ops_cuda.cpp).
-//
-// The CPU MoE is the reference: per expert that received tokens, dequantize
-// its weights to FP32, gate_up = x W13^T in FP32, the clamped SwiGLU in FP32,
-// h rounded to x's dtype (as the GPU must round it for its second GEMM),
-// y = h W2^T in FP32, accumulated with the routing weights in FP32; the
-// result is rounded once to x's dtype.
+// moe_ops_cuda.cpp). The CPU kernel runs the core's reference
+// (csrc/lowbit/moe/nvfp4_moe_cpu.cpp).
 #include "moe_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -88,6 +83,32 @@ void check_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
     TORCH_CHECK_VALUE(*slots < (int64_t(1) << 31), "lowbit.", kMoe,
                       ": M * k must be below 2^31, got topk_ids of shape ", topk_ids.sizes());
   }
+}
+
+nvfp4::moe::MoeArgs moe_args(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                             const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                             c10::optional<double> swiglu_limit, at::Tensor& out) {
+  nvfp4::moe::MoeArgs a{};
+  a.x = x.data_ptr();
+  a.dtype = to_lowbit_dtype(x.scalar_type());
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.w13 = w13.data_ptr<uint8_t>();
+  a.w13_scale = w13_scale.data_ptr<uint8_t>();
+  a.w13_global = w13_global.data_ptr<float>();
+  a.w2 = w2.data_ptr<uint8_t>();
+  a.w2_scale = w2_scale.data_ptr<uint8_t>();
+  a.w2_global = w2_global.data_ptr<float>();
+  a.has_limit = swiglu_limit.has_value();
+  a.swiglu_limit = a.has_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+  a.out = out.data_ptr();
+  a.m = x.size(0);
+  a.k = topk_ids.size(1);
+  a.e = w13.size(0);
+  a.h = x.size(1);
+  a.inter = w13.size(1) / 2;
+  return a;
 }
 
 namespace {
@@ -177,51 +198,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_unprepack(const a
           c2.view({e, h, inter / 2}), s2.view({e, h, inter / 16})};
 }
 
-// Expert e's weight, dequantized to FP32 [N, K] (rows as prepacked).
-at::Tensor dequantize_expert(const at::Tensor& w, const at::Tensor& s, const at::Tensor& g, int64_t e, int64_t k) {
-  at::Tensor out = at::empty({w.size(1), k}, w.options().dtype(at::kFloat));
-  at::Tensor we = w.select(0, e), se = s.select(0, e), ge = g.select(0, e);
-  nvfp4::gemm::unpack_cpu(unpack_args(we, se, ge, out));
-  return out;
-}
-
 at::Tensor moe_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                    const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
                    const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
                    c10::optional<double> swiglu_limit) {
   check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, false);
-  const int64_t m = x.size(0), h = x.size(1), k = topk_ids.size(1), experts = w13.size(0);
-  const int64_t inter = w13.size(1) / 2;
+  const int64_t experts = w13.size(0);
   at::Tensor ids = topk_ids.contiguous();
   if (ids.numel() > 0) {
     const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
     TORCH_CHECK_VALUE(lo >= 0 && hi < experts, "lowbit.", kMoe, ": argument 'topk_ids' must hold expert ids in [0, ",
                       experts, "), got values in [", lo, ", ", hi, "]");
   }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (out.numel() == 0) return out;
+  auto xc = x.contiguous(), wts = topk_weights.contiguous();
   auto p13 = w13.contiguous(), s13 = w13_scale.contiguous(), g13 = w13_global.contiguous();
   auto p2 = w2.contiguous(), s2 = w2_scale.contiguous(), g2 = w2_global.contiguous();
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor wf = topk_weights.to(at::kFloat).reshape({-1});
-  at::Tensor out = at::zeros({m, h}, x.options().dtype(at::kFloat));
-  const int32_t* id = ids.data_ptr<int32_t>();
-  std::vector<std::vector<int64_t>> pairs(experts);  // flat slot indices per expert, in slot order
-  for (int64_t i = 0; i < m * k; ++i) pairs[id[i]].push_back(i);
-  for (int64_t e = 0; e < experts; ++e) {
-    if (pairs[e].empty()) continue;
-    at::Tensor slot = at::tensor(pairs[e], at::kLong);
-    at::Tensor token = at::floor_divide(slot, k);
-    at::Tensor w13e = deinterleave_w13(dequantize_expert(p13, s13, g13, e, h).unsqueeze(0)).squeeze(0);
-    at::Tensor gate_up = at::matmul(xf.index_select(0, token), w13e.t());
-    at::Tensor gate = gate_up.narrow(1, 0, inter), up = gate_up.narrow(1, inter, inter);
-    if (swiglu_limit.has_value()) {
-      gate = at::clamp_max(gate, *swiglu_limit);
-      up = at::clamp(up, -*swiglu_limit, *swiglu_limit);
-    }
-    at::Tensor act = (at::silu(gate) * up).to(x.scalar_type()).to(at::kFloat);
-    at::Tensor y = at::matmul(act, dequantize_expert(p2, s2, g2, e, inter).t());
-    out.index_add_(0, token, y * wf.index_select(0, slot).unsqueeze(1));
-  }
-  return out.to(x.scalar_type());
+  nvfp4::moe::moe_cpu(moe_args(xc, wts, ids, p13, s13, g13, p2, s2, g2, swiglu_limit, out));
+  return out;
 }
 
 at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,

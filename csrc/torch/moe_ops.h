@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "lowbit/moe/nvfp4_moe.h"
+
 namespace lowbit::ops {
 
 // Checks x [M, H] (bf16/fp16; fp32 too on CPU), topk_weights float32 [M, k],
@@ -13,5 +15,12 @@ void check_moe(const at::Tensor& x, const at::Tensor& topk_weights, const at::Te
                const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
                const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
                c10::optional<double> swiglu_limit, bool cuda);
+
+// The core's arguments for checked, contiguous tensors (x and the weights as
+// the kernel needs them aligned) and an output like x.
+nvfp4::moe::MoeArgs moe_args(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                             const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                             c10::optional<double> swiglu_limit, at::Tensor& out);
 
 }  // namespace lowbit::ops

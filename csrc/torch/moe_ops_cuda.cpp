@@ -9,7 +9,6 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
-#include "lowbit/moe/nvfp4_moe.h"
 #include "moe_ops.h"
 
 namespace lowbit::ops {
@@ -36,25 +35,7 @@ at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const a
   auto p13 = contiguous_aligned(w13, 16), s13 = contiguous_aligned(w13_scale, 16);
   auto p2 = contiguous_aligned(w2, 16), s2 = contiguous_aligned(w2_scale, 16);
   auto g13 = w13_global.contiguous(), g2 = w2_global.contiguous();
-  nvfp4::moe::MoeArgs a{};
-  a.x = xc.data_ptr();
-  a.dtype = to_lowbit_dtype(x.scalar_type());
-  a.topk_weights = wts.data_ptr<float>();
-  a.topk_ids = ids.data_ptr<int32_t>();
-  a.w13 = p13.data_ptr<uint8_t>();
-  a.w13_scale = s13.data_ptr<uint8_t>();
-  a.w13_global = g13.data_ptr<float>();
-  a.w2 = p2.data_ptr<uint8_t>();
-  a.w2_scale = s2.data_ptr<uint8_t>();
-  a.w2_global = g2.data_ptr<float>();
-  a.has_limit = swiglu_limit.has_value();
-  a.swiglu_limit = a.has_limit ? static_cast<float>(*swiglu_limit) : 0.f;
-  a.out = out.data_ptr();
-  a.m = m;
-  a.k = ids.size(1);
-  a.e = w13.size(0);
-  a.h = h;
-  a.inter = w13.size(1) / 2;
+  nvfp4::moe::MoeArgs a = moe_args(xc, wts, ids, p13, s13, g13, p2, s2, g2, swiglu_limit, out);
   TORCH_CHECK_VALUE(nvfp4::moe::moe_max_work_items(a) <= nvfp4::moe::kMaxWorkItems,
                     "lowbit.nvfp4_moe: M * k = ", m * a.k, " (token, expert) pairs need more than ",
                     nvfp4::moe::kMaxWorkItems, " work items on CUDA; split 'x' into smaller batches");

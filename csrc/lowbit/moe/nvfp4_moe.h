@@ -1,8 +1,8 @@
-// NVFP4 mixture-of-experts (W4A16) on CUDA: the routed experts' MLPs and the
+// NVFP4 mixture-of-experts (W4A16): the routed experts' MLPs and the
 // weighted combine, out[t] = sum_j w[t, j] * Expert_{id[t, j]}(x[t]), with
 // Expert_e(x) = W2_e (silu(min(g, L)) * clamp(u, -L, L)), [g; u] = W13_e x.
-// Arguments are validated by the caller (csrc/torch); the CPU reference lives
-// in the binding (csrc/torch/moe_ops.cpp).
+// Arguments are validated by the caller (csrc/torch); the CPU reference is
+// moe_cpu (nvfp4_moe_cpu.cpp), the CUDA launcher moe_cuda (nvfp4_moe.cu).
 //
 // Weights: the Linear's prepacked layout (nvfp4_linear_layout.h), experts
 // stacked along N, so expert e's tiles start at row e * N. W13's rows are
@@ -16,12 +16,13 @@
 
 #if defined(LOWBIT_WITH_CUDA)
 #include <cuda_runtime_api.h>
+#endif
 
 namespace lowbit::nvfp4::moe {
 
 struct MoeArgs {
   const void* x;               // [M, H], dtype
-  DType dtype;                 // kBFloat16 or kFloat16
+  DType dtype;                 // kBFloat16 or kFloat16 (kFloat32 too on the CPU)
   const float* topk_weights;   // [M, k]
   const int32_t* topk_ids;     // [M, k]; ids outside [0, E) are skipped
   const uint8_t* w13;          // [E, 2I, Hp/2] prepacked, rows interleaved
@@ -36,6 +37,17 @@ struct MoeArgs {
   int64_t m, k, e, h, inter;
 };
 
+// The reference (host pointers, every array contiguous; x may also be
+// kFloat32): per expert that received tokens, its weights dequantized to
+// FP32, gate_up = x W13^T in FP32, the clamped SwiGLU in FP32, h rounded to
+// x's dtype (as the GPU must round it for its second GEMM), y = h W2^T in
+// FP32, accumulated with the routing weights in FP32 (experts in order, each
+// expert's slots in slot order); the result is rounded once to x's dtype.
+// Sums run in index order. Ids must lie in [0, E) (the binding checks them).
+void moe_cpu(const MoeArgs& args);
+
+#if defined(LOWBIT_WITH_CUDA)
+
 // Workspace the launcher needs, in bytes, for this problem (caller allocates
 // it, 256-byte aligned, from a stream-ordered allocator).
 int64_t moe_workspace_bytes(const MoeArgs& args);
@@ -43,6 +55,6 @@ int64_t moe_workspace_bytes(const MoeArgs& args);
 int64_t moe_max_work_items(const MoeArgs& args);
 constexpr int64_t kMaxWorkItems = 65535;
 cudaError_t moe_cuda(const MoeArgs& args, void* workspace, cudaStream_t stream);
+#endif
 
 }  // namespace lowbit::nvfp4::moe
-#endif
