@@ -32,7 +32,7 @@ build() {
   setup
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
-  if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] || ! grep -q "Python3_EXECUTABLE:FILEPATH=$PYTHON$" "$BUILD_DIR/CMakeCache.txt"; then
+  if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] || ! grep -qE "^Python3_EXECUTABLE:[A-Z]+=$PYTHON\$" "$BUILD_DIR/CMakeCache.txt"; then
     rm -rf "$BUILD_DIR"
     # shellcheck disable=SC2086
     cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DPython3_EXECUTABLE="$PYTHON" ${CMAKE_ARGS:-}
