@@ -49,7 +49,7 @@ RouteOut dense_router_cuda(const at::Tensor& hidden, const at::Tensor& weight, c
   c10::cuda::CUDAGuard guard(hidden.device());
   // Small M, bf16, aligned, route's fast path: lowbit's split-K tensor-core
   // gate GEMM, its float32 partial sums added in split order by the routing
-  // kernel, launched as the gate's dependent (deterministic; docs/PERF.md,
+  // kernel, launched as the gate's dependent (deterministic; docs/perf/log/routing.md,
   // dense_router v3). Otherwise cuBLAS with float32 output, then route.
   const int64_t tokens = hidden.size(0), experts = weight.size(0), hidden_size = hidden.size(1);
   if (hidden.scalar_type() == at::kBFloat16 && routing::dense_gate_supported(tokens, experts, hidden_size) &&

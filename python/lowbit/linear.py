@@ -82,7 +82,7 @@ def nvfp4_linear(
     ``fp8_min_rows`` > 0 turns on the FP8 mode for calls with at least that
     many rows of x (the product of its leading dimensions): W and x are
     rounded to FP8 E4M3 with one scale per row and multiplied on the FP8
-    tensor cores. Faster at large M (docs/PERF.md), with an extra error of
+    tensor cores. Faster at large M (docs/perf/README.md), with an extra error of
     about 4e-2 relative (README.md, Formats); 0, the default, never uses it.
 
     Differentiable in ``x`` (and ``bias``): the gradient is ``grad_y @ W``

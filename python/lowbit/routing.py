@@ -58,7 +58,7 @@ def dense_router(
     """Gate GEMM + :func:`route`: logits = hidden [M, H] @ weight [E, H]^T in
     float32 (bf16 or float32 operands). On the GPU, cuBLAS with float32
     output feeds the routing kernel (a fused GEMV + routing kernel is not
-    there yet: docs/PERF.md)."""
+    there yet: docs/perf/log/routing.md)."""
     return torch.ops.lowbit.dense_router(
         hidden, weight, bias, k, score_func, n_group, topk_group, renormalize, routed_scaling_factor
     )

@@ -1,7 +1,7 @@
 // The NVFP4 Linear's small-M dispatch (gemm::linear_plan): decisions that
 // depend only on the SM count and shared memory per SM, which without a
 // device are the H100's (132 SMs, 228 KB), so CI pins the plans that
-// docs/PERF.md measured and the GPU tests' comments describe. Plans that
+// docs/perf/log/linear.md measured and the GPU tests' comments describe. Plans that
 // also depend on occupancy queries (panel, wide, wgmma) need the device and
 // are left to the GPU tests.
 #include <gtest/gtest.h>
@@ -77,7 +77,7 @@ TEST_F(LinearPlan, StreamKernelShapesOfTheSmallMTest) {
 }
 
 TEST_F(LinearPlan, BenchShapesAtOneRow) {
-  // docs/PERF.md, Linear v16: 1536 x 24576 (1536 tiles) one warp per tile at
+  // docs/perf/log/linear.md, Linear v16: 1536 x 24576 (1536 tiles) one warp per tile at
   // 12 CTAs per SM.
   gemm::LinearPlan p = gemm::linear_plan(1, 24576, 1536);
   EXPECT_EQ(p.path, LinearPath::kStream);

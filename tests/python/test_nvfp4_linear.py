@@ -72,7 +72,7 @@ def fp8_mode_reference(x, q, bias=None):
 
 # Extra error of the FP8 mode against the W4A16 result (E4M3 keeps 3
 # mantissa bits of x and of W: ~3% per element each; measured 3.9-4.1e-2 on
-# Gaussian data, docs/PERF.md).
+# Gaussian data, docs/perf/log/linear.md).
 FP8_MODE_TOL = 6e-2
 
 

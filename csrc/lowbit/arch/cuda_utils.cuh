@@ -211,7 +211,7 @@ int smem_per_sm();
 // static shared memory and other resources may allow fewer). The block
 // scheduler packs a grid of fewer CTAs than the device holds onto as few SMs
 // as their resources allow, leaving others idle; capping the CTAs per SM
-// spreads such a grid over every SM (docs/PERF.md, Linear v13).
+// spreads such a grid over every SM (docs/perf/log/linear.md, Linear v13).
 int smem_for_ctas_per_sm(int bytes, int ctas);
 
 // Lets `kernel` launch with up to `bytes` of dynamic shared memory on the

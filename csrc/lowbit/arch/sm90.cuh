@@ -107,7 +107,7 @@ __device__ __forceinline__ void bulk_copy_s2peer(uint32_t dst, const void* src, 
 // the default semantics (release at CTA scope), enough to say "done reading
 // a buffer" after wgmma.wait_group. .release.cluster stalled each arriving
 // MMA warp: the paired wgmma kernel ran 0.65x cuBLAS with it, 0.93x without
-// (docs/PERF.md, Linear v14).
+// (docs/perf/log/linear.md, Linear v14).
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
 }

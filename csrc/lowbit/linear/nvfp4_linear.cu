@@ -659,7 +659,7 @@ int64_t wide_image_bytes(int64_t m, int64_t k, int mt) {
 // The wide kernel's MMAs: wgmma (x image pass + bulk copies; fewer
 // instructions per k-tile) or mma.sync (no extra pass). The extra launch
 // pays off on long GEMMs and with many rows of x; measured on an H100
-// (docs/PERF.md, Linear v11). LOWBIT_LINEAR_WIDE_WGMMA=0|1 forces either.
+// (docs/perf/log/linear.md, Linear v11). LOWBIT_LINEAR_WIDE_WGMMA=0|1 forces either.
 bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
   static const int forced = env_int("LOWBIT_LINEAR_WIDE_WGMMA", -1);
   if (forced >= 0) return forced == 1;
@@ -711,7 +711,7 @@ cudaError_t launch_wide(const LinearArgs& a, const LinearPlan& p, cudaStream_t s
 // padded so that each SM takes the fewest CTAs that still run the grid in
 // one wave, and never more than kPanelCtasPerSm (24 warps). Left to fill SMs
 // as far as shared memory allows, a grid smaller than the device is packed
-// onto fewer SMs (docs/PERF.md, Linear v13); 32 warps per SM ran slower
+// onto fewer SMs (docs/perf/log/linear.md, Linear v13); 32 warps per SM ran slower
 // (Linear v15).
 template <typename Kernel>
 int panel_spread_smem(Kernel kernel, int bytes, int64_t ctas, int cluster) {
@@ -812,7 +812,7 @@ cudaError_t launch_stream(const LinearArgs& a, const LinearPlan& p, cudaStream_t
 
 // The stream kernel built for as few x row pairs as M needs: 1 at M <= 2,
 // 2 at M <= 4, 4 at M <= 8, so the copies of pairs past M are not issued,
-// predicated off, every k-tile (Linear v17 in docs/PERF.md). The products
+// predicated off, every k-tile (Linear v17 in docs/perf/log/linear.md). The products
 // and their order do not depend on the build. Two W tiles per warp: built
 // for 5..8 and 9..16 rows.
 template <typename T>
@@ -975,7 +975,7 @@ int64_t wide_wgmma_resident_ctas(int mt, int splits) {
 
 // Ring slots per stream warp for runs of `run` k-tiles: 2 (one copy in
 // flight while one k-tile is computed) for runs of 6 or fewer, else 3.
-// Measured in docs/PERF.md, Linear v25: with 2, 4096 x 4096 at M = 1-8
+// Measured in docs/perf/log/linear.md, Linear v25: with 2, 4096 x 4096 at M = 1-8
 // (runs of 4) 4-9% faster (M = 8: 5.6 -> 5.1-5.2 us) and 2048 x 7168 (4)
 // 0-6%, but 8192 x 4096 at M = 4-8 (8) and 7168 x 18432 at M = 4 (7) 4%
 // slower. Fewer slots also let more two-tile CTAs fit (1536 x 24576 at
@@ -991,7 +991,7 @@ int stream_stages(int64_t run, bool wide_pairs) {
 
 // Two W tiles per warp at 9..16 rows in 8-warp CTAs over the whole K: no
 // partials, no split_reduce, and 16 warps a SM where two CTAs sit on one.
-// They pay (Linear v27 in docs/PERF.md, against 4-warp CTAs)
+// They pay (Linear v27 in docs/perf/log/linear.md, against 4-warp CTAs)
 //   - where the pairs give 90-100% of the SMs one CTA each, runs of 2
 //     k-tiles or more (the N = 4096 shapes, which split K in 2 before:
 //     5-9% faster on 8192 x 4096 and 7168 x 4096 at 9..16 rows, 11-14% on
@@ -1019,7 +1019,7 @@ bool eight_warp_pairs(int64_t m, int64_t pairs, int64_t tiles_k) {
 // some shapes at 5-8), a grid smaller than the device is packed onto fewer
 // SMs. Where the grid fits one wave at 16 warps per SM, the cap is the
 // fewest CTAs per SM that hold it (every SM busy); where 16 warps per SM
-// hold it in at most 1.5 waves, 16 warps. Measured in docs/PERF.md: Linear
+// hold it in at most 1.5 waves, 16 warps. Measured in docs/perf/log/linear.md: Linear
 // v13, at M = 1 on 8192 x 4096 10.9 us uncapped, 8.2 capped (narrow
 // kernel: 9.2); v16, 1536 x 24576 (1536 one-warp CTAs) 10.6 us at 16 per
 // SM (96 SMs), 9.4 at 12 (128 SMs). One warp per tile (its whole K) when
@@ -1073,7 +1073,7 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
 // minimizing waves x (k-tiles per split + 4), the 4 standing for a CTA's
 // fill and the sum. Two splits add up in a cluster (distributed shared
 // memory); more write FP32 partials for split_reduce_kernel, as clusters of
-// 4-8 of these CTAs are placed badly (docs/PERF.md, Linear v15).
+// 4-8 of these CTAs are placed badly (docs/perf/log/linear.md, Linear v15).
 // LOWBIT_PANEL_SPLITS (read once) forces the count, for benchmarks.
 // splits 0: K is too long for the chunk.
 struct PanelShape {
@@ -1115,13 +1115,13 @@ int forced_stream_cap() {
 // does where whole tiles would sit unevenly on the SMs and the runs are
 // long enough to repay the pieces' adds:
 //   - 10% or more unevenly (the busiest SM's tiles against the average),
-//     runs of 128 units or more (Linear v21 in docs/PERF.md: 18432 x 7168
+//     runs of 128 units or more (Linear v21 in docs/perf/log/linear.md: 18432 x 7168
 //     ran 10% faster at M = 1-4 and 1% at 8, the bench's shapes of shorter
 //     runs 20-65% slower, the even 7168 x 18432 0-4%);
 //   - at 5..8 rows, where the one-tile plan (`one`) runs CTAs of 4 or 8
 //     warps uncapped and they take more than one wave at what an SM holds
 //     (rings of 9-10 KB a warp: 16-24 warps a SM), runs of 96 units or more
-//     (Linear v24 in docs/PERF.md: 7168 x 18432 at M = 8, 122-unit runs,
+//     (Linear v24 in docs/perf/log/linear.md: 7168 x 18432 at M = 8, 122-unit runs,
 //     3-5% faster in three sessions; six other such shapes -3% to +8%,
 //     +2% on average; with CTAs of 1-2 warps, 7168 x 65536, 6-7% slower).
 // LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
@@ -1143,7 +1143,7 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 }
 
 // Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
-// docs/PERF.md). They halve x's shared memory and L2 reads per W byte and
+// docs/perf/log/linear.md). They halve x's shared memory and L2 reads per W byte and
 // double a warp's W bytes in flight, but halve the CTAs. At 9..16 rows
 // they pay wherever eight_warp_pairs does (8-warp CTAs over the whole K,
 // Linear v27), and otherwise, in CTAs of at most 4 warps with rings of 2
@@ -1181,7 +1181,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // The stream kernel (twice the warps per SM) for 5..8 rows, where the
   // narrow kernel's x fragments cost it most, and for fewer rows when the
   // narrow kernel needs several waves (no one-wave shape, more than 4 W
-  // tiles per SM); measured in docs/PERF.md, Linear v9. Also for 1..4 rows
+  // tiles per SM); measured in docs/perf/log/linear.md, Linear v9. Also for 1..4 rows
   // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
   // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
   // Two W tiles per warp at 5..16 rows where they pay (Linear v23).
@@ -1239,7 +1239,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // Warps per W tile: the fewest (longest K runs per warp, no CTA sum)
     // that give every SM 10 to 16 warps in one wave; otherwise 8, with K
     // split when the W tiles alone do not give each SM a CTA (every warp of
-    // a split gets a tile; no empty split). (docs/PERF.md, Linear v7)
+    // a split gets a tile; no empty split). (docs/perf/log/linear.md, Linear v7)
     const int one_wave = one_wave_warps_per_tile(ntiles);
     p.warps = one_wave > 0 ? one_wave : kWarps;
     const int64_t splits = p.warps < kWarps || ntiles >= sms
@@ -1250,13 +1250,13 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // Split K to fill the SMs: the splits s (at least 4 k-tiles each)
     // minimizing waves(CTAs * s) * (k-tiles per split + 6), the 6 standing
     // for a CTA's pipeline fill, epilogue and partials. Fitted on H100 runs
-    // (docs/PERF.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
+    // (docs/perf/log/linear.md, Linear v5): at M = 64, 8192 x 4096 best at 8 splits,
     // 7168 x 18432 at 3, K = 1024 unsplit; at M = 128, 1536 x 24576 unsplit.
     // On wgmma with many W blocks (N >= 8192) the splits of a tile are a
     // cluster (at most 8) that adds them in the kernel, and a wave is as
     // many clusters as the device runs at once; with fewer W blocks the
     // splits needed are many and large clusters fit badly, so they write
-    // partials (docs/PERF.md, Linear v11); N = 7168 is between: clusters
+    // partials (docs/perf/log/linear.md, Linear v11); N = 7168 is between: clusters
     // win there with 33..128 rows of x and lose with 17..32 (Linear v12).
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);

@@ -139,7 +139,7 @@ cudaError_t fp8_rows_cuda(const Fp8RowsArgs& args, cudaStream_t stream);
 //   otherwise         kUnpack: left to the caller (unpack the weight + cuBLAS
 //                     in the binding): above 2048 rows the unpack costs less
 //                     than the wgmma kernel's distance to cuBLAS
-//                     (docs/PERF.md, Linear v8)
+//                     (docs/perf/log/linear.md, Linear v8)
 // The stream and narrow kernels hold at most 65535 W tiles (N <= 1048560);
 // above that the wide kernel takes their rows.
 // LOWBIT_LINEAR_PATH=stream|narrow|panel|wide|wgmma|unpack in the
@@ -164,7 +164,7 @@ constexpr int64_t kWgmmaBlockRows = 128;  // W rows of a wgmma CTA (nvfp4_wgmma.
 // weight unpacked + a batched matmul above: on DeepSeek-V4-Flash's o_a_proj
 // (8 x 4096 -> 1024, H100) the kernel ran at 0.80-0.98x the BF16 bmm's
 // speed up to 512 tokens, where the unpacked form ran at 0.44-0.59x, and at
-// 0.82x against 0.85x at 2048 (docs/PERF.md, Nvfp4GroupedLinear v3).
+// 0.82x against 0.85x at 2048 (docs/perf/log/grouped.md, Nvfp4GroupedLinear v3).
 constexpr int64_t kGroupedWgmmaMaxM = 1024;
 enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack, kPanel };
 struct LinearPlan {
@@ -186,12 +186,12 @@ struct LinearPlan {
 LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of
 // one tile): the fewest of 1, 2, 4 that give every SM 10 to 16 warps in one
-// wave, or 0 if none does (docs/PERF.md, Linear v7). The MoE uses it too.
+// wave, or 0 if none does (docs/perf/log/linear.md, Linear v7). The MoE uses it too.
 int one_wave_warps_per_tile(int64_t tiles);
 // Warps per W tile for streaming warps (nvfp4_mma.cuh stream_mainloop) on
 // `tiles` W tiles of tiles_k k-tiles and `rows` rows of x: the most of 8, 4,
 // 2 that leave every warp 4 k-tiles or more and fit in 3 waves (registers
-// and shared memory), else 1 (docs/PERF.md, Linear v9). The MoE uses it too.
+// and shared memory), else 1 (docs/perf/log/linear.md, Linear v9). The MoE uses it too.
 // tiles_per_warp 2: `tiles` counts tile pairs, each warp takes both of a
 // pair (at 9..16 rows the plan then takes 8 warps or at most 4: Linear v27).
 // LOWBIT_STREAM_WARPS=1|2|4|8 (read once) forces it, for benchmarks.
@@ -202,7 +202,7 @@ int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_pe
 constexpr int kStreamRingSlots = 3;
 int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1, int stages = kStreamRingSlots);
 // LOWBIT_STREAM_CTAS_PER_SM=c (read once) caps every stream plan at c CTAs
-// per SM, for probes (Linear v18 in docs/PERF.md). LOWBIT_STREAM_K=0|1 (read
+// per SM, for probes (Linear v18 in docs/perf/log/linear.md). LOWBIT_STREAM_K=0|1 (read
 // once) turns the stream-K form off, or on at M <= 8 wherever it can run
 // (Linear v21). LOWBIT_STREAM_TILES=1|2 (read once) turns two W tiles per
 // warp off, or on at 5..16 rows wherever the stream kernel can run

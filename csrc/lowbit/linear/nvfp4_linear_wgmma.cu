@@ -90,7 +90,7 @@ int linear_wgmma_tokens(int64_t m) { return m <= 128 ? 128 : 256; }
 
 bool linear_wgmma_pairs(int64_t m, int64_t splits) {
   // Pairs halve each CTA's decode but tie two CTAs together. Measured
-  // (docs/PERF.md, Linear v14): from 4 token tiles of 256 (M 1024-2048)
+  // (docs/perf/log/linear.md, Linear v14): from 4 token tiles of 256 (M 1024-2048)
   // mostly 2-8% faster; with one (M = 256) 2x slower, as a pair's second
   // CTA has no tokens; 2 and 3 tiles not measured, left unpaired.
   // LOWBIT_WGMMA_PAIR=0|1 (read once) forces them off or on (where the

@@ -344,7 +344,7 @@ struct CtaPartials {
 
 constexpr int kWideRowElems = kTileK + 16;  // padded row: 72 words, lanes g / g+1 8 banks apart
 // Ring depth in k-tiles: 4 for 16 rows of x, whose stages are small (three
-// 55 KB CTAs per SM), 3 above (docs/PERF.md, Linear v10).
+// 55 KB CTAs per SM), 3 above (docs/perf/log/linear.md, Linear v10).
 template <int MT> constexpr int kWideStages = MT == 2 ? 4 : 3;
 constexpr int kTileChunks = (kTileBytes + kTileScaleBytes) / 16;  // 72: codes, then scales
 
@@ -562,7 +562,7 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
 // ring of kStreamStages slots of its own in shared memory, filled with
 // cp.async. Nothing waits in registers, so a warp needs ~60 registers
 // instead of ~120 and an SM holds twice the warps, and the copies carry no
-// register dependences (docs/PERF.md, Linear v9). x rows are copied in
+// register dependences (docs/perf/log/linear.md, Linear v9). x rows are copied in
 // pairs (lanes 0-15 and 16-31), a slot holding an even number of them, each
 // padded to 288 bytes so the 8-byte fragment reads of a half-warp (4 rows)
 // hit distinct banks.
@@ -571,7 +571,7 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
 // each stage then holds both tiles' k-tile and one copy of x, whose
 // fragments feed both tiles' MMAs, so x costs half the shared memory and
 // the L2 reads per W byte, and a warp keeps twice the W bytes in flight
-// (docs/PERF.md, Linear v23). Above 8 rows, x is two m-tiles (MT = 2).
+// (docs/perf/log/linear.md, Linear v23). Above 8 rows, x is two m-tiles (MT = 2).
 // A ring has kStreamStages slots, or 2 where the plan gives each warp a
 // short run of k-tiles (kStages; Linear v25).
 constexpr int kStreamStages = 3;
@@ -642,7 +642,7 @@ __device__ __forceinline__ void stream_ktile_mma(const char* st, int xoff, int l
 // fewer pointers to carry and copies to issue when the caller knows x is
 // short); pairs up to kPairs / 2 are always copied (a caller with fewer
 // rows builds a smaller kPairs). kDecodePairs: mma_tile's paired decode
-// (fits the 64 registers at every kPairs: Linear v20 in docs/PERF.md).
+// (fits the 64 registers at every kPairs: Linear v20 in docs/perf/log/linear.md).
 // xsrc[j]: x row lane / 16 + 2 j of the warp's rows at column 8 (lane % 16),
 // or a valid row where that row is past `rows`: its copy is never read (the
 // fragment reads below take row min(g, rows - 1)), so it needs no predicate.
@@ -827,7 +827,7 @@ class StreamRunWarp {
 // ---- panel: streaming warps over a chunk of x held in shared memory -----------
 // For 12..16 rows of x (linear_plan), where the narrow kernel reads x again
 // for every 16-row W tile (on 8192 x 4096, 67 MB through L2 beside 19 MB of
-// W: docs/PERF.md, Linear v13) and the wide kernel's CTA-wide ring waits on
+// W: docs/perf/log/linear.md, Linear v13) and the wide kernel's CTA-wide ring waits on
 // its slowest warp every k-tile. A panel CTA: kPanelWarps warps on as many
 // consecutive W tiles, all over one chunk of K. The chunk's x rows arrive
 // in shared memory at the start, one tensor copy per k-tile counted on a

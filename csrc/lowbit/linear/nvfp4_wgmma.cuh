@@ -21,7 +21,7 @@
 //                   needs none (no x image, no extra pass).
 // The tensor pipe never waits on the decode as long as the decode keeps up,
 // and each decoded W step serves all NT tokens of the tile. What the decode
-// still costs (docs/PERF.md, Linear v8): its ALU/FMA instructions slow the
+// still costs (docs/perf/log/linear.md, Linear v8): its ALU/FMA instructions slow the
 // tensor pipe of the same SM by ~10%.
 //
 // A Problem says which tile a CTA computes (W tile rows and x rows: a token
@@ -68,7 +68,7 @@ constexpr int kDecBytes = 2 * kDecHalfBytes;                          // 17 KB
 // thread; the registers left over decide how many transform warps fit
 // (ptxas gives every thread the launch bound's share): 8 (one W tile each
 // per step) at NT = 128, 4 (two tiles each) at NT = 256. (NT = 192 with 8
-// warps measured slower than NT = 256 with 4: docs/PERF.md, Linear v8.)
+// warps measured slower than NT = 256 with 4: docs/perf/log/linear.md, Linear v8.)
 template <int NT, bool kPair = false>
 struct Config {
   static_assert(NT == 128 || NT == 256, "tokens per tile");

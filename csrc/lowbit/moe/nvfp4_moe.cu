@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_down_wide_kernel(
 // the hot count) on hot items of up to kHotItemRows rows with the wide main
 // loop (4 m-tiles for items of up to 32 rows, else 8), the rest on narrow
 // items with one warp per W tile (W = 1, TP = 8). The hot items, the
-// longest, start first and overlap with the narrow ones (docs/PERF.md, MoE
+// longest, start first and overlap with the narrow ones (docs/perf/log/moe.md, MoE
 // v11).
 constexpr int kHotItemRows = 64;
 constexpr int kMixedTiles = gemm::mma::kWarps;
@@ -720,13 +720,13 @@ bool hot_list_enabled() {
 }
 
 // Shape of a narrow kernel of `tiles` (work item, W tile) pairs (an upper
-// bound: work items x W tiles per expert). As in the Linear (docs/PERF.md,
+// bound: work items x W tiles per expert). As in the Linear (docs/perf/log/linear.md,
 // Linear v7): the fewest warps per W tile that give every SM 10 to 16 warps
 // in one wave (the longest K run per warp: no pipeline fill per few
 // k-tiles, no cross-warp sum); fewer tiles, 8 warps. More tiles: 2 warps per
 // tile up to 8 waves of one-warp tiles, where the last wave's tail costs
 // less with half-length runs; beyond, one warp per tile and 4 tiles per CTA,
-// which read the same x rows through the SM's L1 (docs/PERF.md, MoE v7).
+// which read the same x rows through the SM's L1 (docs/perf/log/moe.md, MoE v7).
 struct NarrowShape {
   int warps, tiles_per_cta;
 };
@@ -747,7 +747,7 @@ NarrowShape narrow_shape(int64_t tiles) {
 // One token needs no grouping: its slots are the work items (direct), and
 // the align kernel is left out of the chain.
 // The wgmma kernels' token tile (items of up to that many rows) follows the
-// mean too: measured on the DeepSeek layers at M = 4096 (docs/PERF.md, MoE
+// mean too: measured on the DeepSeek layers at M = 4096 (docs/perf/log/moe.md, MoE
 // v9), 256-row tiles win from 128 rows per expert on (half-empty tiles
 // cost less than decoding each expert's weights twice), 128-row tiles from
 // 80, the wide kernels below.
@@ -851,7 +851,7 @@ cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t st
 // The same with the shape narrow_shape picks for `tiles` (item, W tile)
 // pairs; for one token, streaming warps (stream_warps_per_tile of them per W
 // tile). At M = 4 and 8 they measured 3-4% slower than the register stages
-// (docs/PERF.md, MoE v10): the ring is sized for M rows, the items mostly
+// (docs/perf/log/moe.md, MoE v10): the ring is sized for M rows, the items mostly
 // hold one.
 template <bool kUp, typename T>
 cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
@@ -875,7 +875,7 @@ cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, 
 }
 
 // The wide kernels are launched plainly: as dependent launches they measured
-// 2-4% slower at M = 4096 on DSV4-Flash and DSV3 (docs/PERF.md, MoE v7).
+// 2-4% slower at M = 4096 on DSV4-Flash and DSV3 (docs/perf/log/moe.md, MoE v7).
 template <typename T, int MT>
 cudaError_t launch_wide(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
   constexpr int smem = sizeof(gemm::mma::WideSmem<T, MT>);

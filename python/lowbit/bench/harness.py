@@ -78,7 +78,7 @@ def time_calls_in_turns(
     samples are taken in turns: sample 1 of every provider, then sample 2,
     and so on. Timed one after the other, a provider's samples would see the
     clocks and temperature the providers before it left (a card under
-    sustained load slows by up to 10-20%: docs/PERF.md), so a ratio of two
+    sustained load slows by up to 10-20%: docs/perf/README.md), so a ratio of two
     rows would carry the drift between them; in turns, every provider sees
     the same conditions.
     """

@@ -267,7 +267,7 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     prefill alike.
     """
 
-    # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/PERF.md,
+    # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/perf/log/grouped.md,
     # "Nvfp4GroupedLinear" v3): the fused form 2.48x BF16 at 8 rows, 1.18x
     # at 128, 0.85x at 256, 0.55x at 512; nvfp4_grouped_linear 0.80-0.82x
     # up to 512 rows, 0.88-0.98x at 1024-2048.
