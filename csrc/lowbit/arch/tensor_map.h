@@ -1,7 +1,7 @@
 // Host side of the Hopper tensor copies (TMA): 2-D tensor maps encoded with
 // cuTensorMapEncodeTiled, reached through the runtime's driver entry point
 // (no link against libcuda). Used by the wgmma GEMM (nvfp4_wgmma.cuh) and
-// the Linear's panel kernel (nvfp4_linear.cu).
+// the Linear's panel kernel (sm90_linear_panel.cu).
 #pragma once
 
 #include <cuda.h>

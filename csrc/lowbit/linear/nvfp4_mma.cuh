@@ -1,5 +1,5 @@
-// Device building blocks of the NVFP4 W4A16 GEMMs (the Linear in
-// nvfp4_linear.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
+// Device building blocks of the NVFP4 W4A16 GEMMs (the Linear's forms in
+// sm90_linear_*.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
 // the mma.m16n8k16 wrappers, the per-warp main loop over 128-column tiles of
 // the prepacked layout (nvfp4_linear_layout.h) and the fixed-order sum of the
 // warps' partial fragments.

@@ -1,5 +1,5 @@
 // The warp-specialized NVFP4 wgmma GEMM shared by the Linear (129..2048
-// rows, nvfp4_linear_wgmma.cu) and the MoE experts with many rows
+// rows, sm90_linear_wgmma.cu) and the MoE experts with many rows
 // (nvfp4_moe.cu): the weight decoded into shared memory by warps of its own.
 // It is the Linear's GEMM machinery, so it lives in linear/; the MoE
 // (moe/nvfp4_moe.cu) includes it from here.

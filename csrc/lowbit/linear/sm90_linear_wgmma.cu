@@ -1,21 +1,21 @@
-// The NVFP4 Linear for kWideMaxM < M <= kWgmmaMaxM (linear_plan): the
+// The wgmma form of the NVFP4 Linear (kWideMaxM < M <= kWgmmaMaxM;
+// sm90_linear_plan.h says where, and picks its tiles, splits and pairs): the
 // shared wgmma GEMM of nvfp4_wgmma.cuh on token tiles of x, with the global
 // scale and the bias in the epilogue. The same kernel runs the grouped
 // (block-diagonal) Linear: each W block reads its group's columns of x.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_wgmma.cuh"
+#include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {
 
 using wgmma::kBN;
-using wgmma::kMaxSplits;
-static_assert(kBN == kWgmmaBlockRows, "nvfp4_linear.h names the wgmma block's rows for the bindings");
+static_assert(kBN == kWgmmaBlockRows, "sm90_linear_plan.h names the wgmma block's rows for the bindings");
 
 // Token tile blockIdx.z of NT tokens (pairs: 2 blockIdx.z + blockIdx.x),
 // W block blockIdx.y of 128 rows. Grouped (group_n > 0): W rows
@@ -86,45 +86,9 @@ cudaError_t launch_dtype(const LinearArgs& a, const LinearPlan& p, int64_t group
 
 }  // namespace
 
-int linear_wgmma_tokens(int64_t m) { return m <= 128 ? 128 : 256; }
-
-bool linear_wgmma_pairs(int64_t m, int64_t splits) {
-  // Pairs halve each CTA's decode but tie two CTAs together. Measured
-  // (docs/perf/log/linear.md, Linear v14): from 4 token tiles of 256 (M 1024-2048)
-  // mostly 2-8% faster; with one (M = 256) 2x slower, as a pair's second
-  // CTA has no tokens; 2 and 3 tiles not measured, left unpaired.
-  // LOWBIT_WGMMA_PAIR=0|1 (read once) forces them off or on (where the
-  // tiles are 256 tokens and K is not split), for benchmarks.
-  static const int forced = [] {
-    const char* v = std::getenv("LOWBIT_WGMMA_PAIR");
-    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
-  }();
-  if (linear_wgmma_tokens(m) != 256 || splits != 1) return false;
-  return forced >= 0 ? forced == 1 : m > 3 * 256;
-}
-
-int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
-  // Tiles of 128 W rows x NT tokens, one CTA each (one per SM: shared
-  // memory). K is split (a cluster of up to 8 CTAs per tile) when that
-  // lowers waves x (k-tiles per split + 2, + 3 more for a split tile), the
-  // 2 standing for a CTA's pipeline fill and epilogue, the 3 for the
-  // cluster's reduction; a wave is as many clusters as the device runs at
-  // once (resident_clusters); no split is empty.
-  const int nt = linear_wgmma_tokens(m);
-  const int64_t tiles = cuda::ceil_div(m, nt) * cuda::ceil_div(n, kBN), tiles_k = padded_k(k) / kTileK;
-  int64_t best = 1, best_cost = INT64_MAX;
-  for (int s = 1; s <= kMaxSplits && s <= tiles_k; ++s) {
-    const int64_t per = cuda::ceil_div(tiles_k, s);
-    if (cuda::ceil_div(tiles_k, per) != s) continue;
-    const int64_t resident = nt == 128 ? wgmma::resident_clusters<128, LinearProblem<__nv_bfloat16, 128>>(s)
-                                       : wgmma::resident_clusters<256, LinearProblem<__nv_bfloat16, 256>>(s);
-    const int64_t cost = cuda::ceil_div(tiles, resident) * (per + 2 + (s > 1 ? 3 : 0));
-    if (cost < best_cost) {
-      best = s;
-      best_cost = cost;
-    }
-  }
-  return best;
+int64_t linear_wgmma_resident_clusters(int tokens, int splits) {
+  return tokens == 128 ? wgmma::resident_clusters<128, LinearProblem<__nv_bfloat16, 128>>(splits)
+                       : wgmma::resident_clusters<256, LinearProblem<__nv_bfloat16, 256>>(splits);
 }
 
 cudaError_t linear_wgmma_cuda(const LinearArgs& a, const LinearPlan& plan, cudaStream_t stream) {
