@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks: mbarriers, tensor copies (TMA) into
 // shared memory and L2 prefetches, cluster barriers and distributed shared
-// memory, and warpgroup MMA (wgmma) with both operands in shared memory or
-// the A operand in registers.
+// memory, warpgroup MMA (wgmma) with both operands in shared memory or
+// the A operand in registers, and the integer (rotate, prmt, lop3) and
+// cp.async instructions of the mma.sync GEMMs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -288,5 +289,39 @@ LOWBIT_WGMMA_RS_SHAPES(__half, "f16")
 #undef LOWBIT_WGMMA_D64
 #undef LOWBIT_WGMMA_D128_OPERANDS
 #undef LOWBIT_WGMMA_D128
+
+// ---- integer and cp.async instructions of the mma.sync GEMMs -------------
+__device__ __forceinline__ uint32_t rotl(uint32_t x, int r) { return __funnelshift_l(x, x, r); }
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
+// d = f(a, b, c) for the 3-input truth table kLut (0xf8: a | (b & c),
+// 0xea: (a & b) | c).
+template <int kLut>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLut));
+  return d;
+}
+
+// 16 bytes (the first src_bytes of them from gmem, the rest zeros) to the
+// shared-memory address saddr; .cg bypasses L1, .ca goes through it.
+__device__ __forceinline__ void cp_async16_cg(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16_ca(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
+}
+// 16 bytes from gmem to smem past L1, or 16 zeros when !valid.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16_cg(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid ? 16 : 0);
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 }  // namespace lowbit::sm90

@@ -11,7 +11,7 @@
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_decode.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {

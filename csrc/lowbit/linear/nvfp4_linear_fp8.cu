@@ -7,7 +7,7 @@
 
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 
 namespace lowbit::nvfp4::gemm {
 namespace {

@@ -32,7 +32,7 @@
 // 8-byte load of 4 consecutive x values.
 // Bits of the word: each register's two codes sit where a shift/rotate and a
 // mask turn them into a bf16x2 whose halves are e2m1 * 2^-126 (sign bit 15,
-// magnitude bits 8..6; see code_slot below and the decode in nvfp4_mma.cuh).
+// magnitude bits 8..6; see code_slot below and the decode in nvfp4_mainloops.cuh).
 //
 // Scales: the 128 bytes of a tile hold, at g * 16 + 2 kt + (0: row g, 1: row
 // g+8), a re-encoded scale byte: c = (E5 << 3) | M with value

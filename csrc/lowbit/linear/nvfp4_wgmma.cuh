@@ -14,7 +14,7 @@
 //                   as soon as both warpgroups have released a slot.
 //   transform warps 4 (NT = 256) or 8 (NT = 128) decode raw W (8 prepacked
 //                   16-row tiles per 128 columns: codes and block scales, one
-//                   TMA copy each, issued by warp 0) with nvfp4_mma.cuh
+//                   TMA copy each, issued by warp 0) with nvfp4_mainloops.cuh
 //                   decode_fragment (e2m1 * block scale * 2^-8, exact) into
 //                   bf16/fp16 in the K-major core-matrix operand layout,
 //                   undoing the layout's K permutation as they store, so x
@@ -45,7 +45,7 @@
 #include "lowbit/arch/sm90.cuh"
 #include "lowbit/arch/tensor_map.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 
 namespace lowbit::nvfp4::gemm::wgmma {
 

@@ -14,7 +14,7 @@
 #include "lowbit/arch/sm90.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 
 namespace lowbit::nvfp4::gemm {
 

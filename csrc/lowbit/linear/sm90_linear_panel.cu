@@ -2,7 +2,7 @@
 // sm90_linear_plan.h says where): 8 warps on 128 rows of W over one chunk of
 // K, whose 16 rows of x a tensor copy puts in shared memory at the start;
 // each warp streams its W tile through a cp.async ring as the stream kernel
-// does (nvfp4_mma.cuh panel_mainloop). K splits add up in a cluster (two)
+// does (nvfp4_mainloops.cuh panel_mainloop). K splits add up in a cluster (two)
 // or through FP32 partials.
 #include <algorithm>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include "lowbit/arch/tensor_map.h"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {
@@ -20,7 +20,7 @@ namespace {
 using mma::kThreads;
 
 // grid (ceil(N / 128), ceil(M / 16), splits): 8 warps on 8 consecutive W
-// tiles over one K split, x's chunk in shared memory (nvfp4_mma.cuh,
+// tiles over one K split, x's chunk in shared memory (nvfp4_mainloops.cuh,
 // panel_mainloop). K splits: partials null, a cluster (1, 1, splits) adds
 // them (wide_cluster_finish); else FP32 partials for split_reduce_kernel.
 // Dynamic shared memory: panel_smem_bytes(kPanelMt, k-tiles per split), or

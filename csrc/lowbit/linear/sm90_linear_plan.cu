@@ -14,7 +14,7 @@
 
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/nvfp4_wgmma.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 

@@ -141,7 +141,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
 // one tile): the fewest of 1, 2, 4 that give every SM 10 to 16 warps in one
 // wave, or 0 if none does (docs/perf/log/linear.md, Linear v7).
 int one_wave_warps_per_tile(int64_t tiles);
-// Warps per W tile for streaming warps (nvfp4_mma.cuh stream_mainloop) on
+// Warps per W tile for streaming warps (nvfp4_mainloops.cuh stream_mainloop) on
 // `tiles` W tiles of tiles_k k-tiles and `rows` rows of x: the most of 8, 4,
 // 2 that leave every warp 4 k-tiles or more and fit in 3 waves (registers
 // and shared memory), else 1 (docs/perf/log/linear.md, Linear v9).

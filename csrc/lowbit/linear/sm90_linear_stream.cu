@@ -2,7 +2,7 @@
 // runs where): one CTA of 1, 2, 4 or 8 warps per 16-row tile of W (or tile
 // pair, and per split of K); the weight is read once, in 1 KB coalesced
 // pieces, by all SMs at once. The stream kernel's warps feed their k-tiles
-// through cp.async rings in shared memory (nvfp4_mma.cuh stream_mainloop,
+// through cp.async rings in shared memory (nvfp4_mainloops.cuh stream_mainloop,
 // up to 32 warps per SM; 16 on grids that would otherwise leave SMs idle),
 // the narrow kernel's through register stages (warp_mainloop, 16 warps per
 // SM). The warps' partial sums are added in a fixed order in shared memory;
@@ -14,7 +14,7 @@
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {
@@ -22,7 +22,7 @@ namespace {
 
 // grid: (ceil(M / (8 MT)), N / 16, splits), W warps per CTA sharing one
 // 16-row W tile (K split between them). Output tile: 16 rows of W x 8 MT
-// rows of x. The stream kernel (M <= 8) runs nvfp4_mma.cuh stream_mainloop
+// rows of x. The stream kernel (M <= 8) runs nvfp4_mainloops.cuh stream_mainloop
 // (a cp.async ring per warp in shared memory, 32 warps per SM), the narrow
 // one warp_mainloop (register stages, 16 warps per SM). Both are launched as
 // programmatic dependents: the CTA's first W tiles are prefetched into L2

@@ -22,7 +22,7 @@
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {
@@ -148,7 +148,8 @@ StreamKRuns stream_k_runs(const LinearArgs& a, const LinearPlan& p) {
 template <typename T, int W, int kPairs>
 cudaError_t launch_stream_k(const LinearArgs& a, const LinearPlan& p, cudaStream_t stream) {
   const int stages = p.stream_stages == 2 ? 2 : mma::kStreamStages;  // linear_plan sets the latter
-  const int smem = cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), 1, stages), p.ctas_per_sm);
+  const int smem =
+      cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), 1, stages), p.ctas_per_sm);
   cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
   if (err != cudaSuccess) return err;
   return cuda::launch_dependent(linear_stream_k_kernel<T, W, kPairs>, dim3(static_cast<unsigned>(p.stream_k_ctas)),

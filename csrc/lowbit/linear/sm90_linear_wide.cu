@@ -1,7 +1,7 @@
 // The wide kernel (M <= 128, and 9..16 rows on many W tiles;
 // sm90_linear_plan.h says where): 8 warps on 128 rows of W sharing 16, 32 or
 // 64 rows of x staged in shared memory, K split to fill the SMs; the MMAs on
-// mma.sync (nvfp4_mma.cuh wide_mainloop) or, after a pass that writes x in
+// mma.sync (nvfp4_mainloops.cuh wide_mainloop) or, after a pass that writes x in
 // the shared-memory layout (the x image, wide_x_image_kernel), on wgmma
 // with x staged by one bulk copy per k-tile (wide_wgmma_mainloop). K splits
 // add up in a cluster (wide_cluster_finish) or through FP32 partials.
@@ -10,7 +10,7 @@
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/sm90_linear_forms.cuh"
 
 namespace lowbit::nvfp4::gemm {
@@ -20,7 +20,7 @@ using mma::kThreads;
 
 // grid (ceil(N / 128), ceil(M / (8 MT)), splits): 8 warps on 8 consecutive
 // 16-row W tiles sharing x's rows staged in shared memory
-// (nvfp4_mma.cuh, wide_mainloop or wide_wgmma_mainloop: kWg), each over one
+// (nvfp4_mainloops.cuh, wide_mainloop or wide_wgmma_mainloop: kWg), each over one
 // split of K. One split: the output directly; more: FP32 partials [splits,
 // M, N] added in split order by split_reduce_kernel.
 template <typename T, int MT, bool kWg>
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, kWideCtasPerSm<MT>) linear_wide_kern
   if (active) store_warp_tile<T, MT>(acc, nt, m0, m, n, global_scale, bias, out, partials);
 }
 
-// x [M, K] as the wide wgmma kernel's stages (nvfp4_mma.cuh, WideWgmmaX):
+// x [M, K] as the wide wgmma kernel's stages (nvfp4_mainloops.cuh, WideWgmmaX):
 // per block of 8 MT rows and k-tile, kStageBytes in the stage layout; rows
 // past M and columns past K zero. A thread moves one row's 16-column block
 // (its even words to one k-group, its odd words to the next); consecutive

@@ -8,7 +8,7 @@
 //      W tiles, experts of more than 16 rows get items of up to 64 rows in
 //      a second, hot list.
 //   2. up: per work item and 16-row tile of W13 the decode + mma main loop
-//      (nvfp4_mma.cuh) over K = H, with x's rows gathered through the
+//      (nvfp4_mainloops.cuh) over K = H, with x's rows gathered through the
 //      sorted order; the epilogue applies the global scale and the clamped
 //      SwiGLU (gate and up of one column are rows r and r + 8 of the
 //      interleaved tile) and writes h, rounded to x's dtype, in sorted order.
@@ -48,7 +48,7 @@
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
-#include "lowbit/linear/nvfp4_mma.cuh"
+#include "lowbit/linear/nvfp4_mainloops.cuh"
 #include "lowbit/linear/nvfp4_wgmma.cuh"
 #include "lowbit/moe/nvfp4_moe.h"
 
@@ -235,7 +235,7 @@ struct NarrowSmem {
 };
 
 // Streaming form (one token, so every item is one row; launch_narrow): the
-// warps run nvfp4_mma.cuh stream_mainloop, each with a ring of
+// warps run nvfp4_mainloops.cuh stream_mainloop, each with a ring of
 // stream_warp_bytes(kStreamRows) bytes of dynamic shared memory, 32 warps
 // per SM.
 constexpr int kStreamRows = 1;
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(32 * W * TP, (kNarrowMinCtas<W, TP, kStream>))
     down_item<T, 1, W, TP, false>(smem, it, act, w2, s2, g2, expert_out, h, inter);
 }
 
-// ---- wide kernels (nvfp4_mma.cuh, wide_mainloop) ----------------------------
+// ---- wide kernels (nvfp4_mainloops.cuh, wide_mainloop) ------------------------
 // One CTA per (128 rows of W, work item of 8 MT rows), warp w on W tile
 // 8 blockIdx.x + w; each lane ends with whole sums, so the epilogue reads its
 // own accumulators: c[0..1] are W row g at x rows 2t, 2t+1 of the m-tile,

@@ -1,103 +1,30 @@
-// Device building blocks of the NVFP4 W4A16 GEMMs (the Linear's forms in
-// sm90_linear_*.cu, the MoE experts in nvfp4_moe.cu): FP4 decode in registers,
-// the mma.m16n8k16 wrappers, the per-warp main loop over 128-column tiles of
-// the prepacked layout (nvfp4_linear_layout.h) and the fixed-order sum of the
-// warps' partial fragments.
+// The main loops of the NVFP4 W4A16 GEMMs on mma.sync and the wide CTA on
+// wgmma (the Linear's forms in sm90_linear_*.cu, the MoE experts in
+// nvfp4_moe.cu): the register-staged warp loop, the wide CTA with x in
+// shared memory (mma.sync or wgmma), the streaming warps with a cp.async
+// ring (also walking runs of k-tiles across W tiles, for stream-K) and the
+// panel CTA; the W tile addressing of the prepacked layout
+// (nvfp4_linear_layout.h) and the fixed-order sum of the warps' partial
+// fragments. The FP4 decode they share is nvfp4_decode.cuh.
 // Shared with the MoE as nvfp4_wgmma.cuh is, and kept in linear/ with it.
 //
 // CTA shape shared by both GEMMs: kWarps warps per 16-row tile of W; the
 // warps take the tile's 128-column k-tiles in turn (warp w: w, w + kWarps,
 // ...), each holding FP32 accumulators for 16 W rows x 8 MT rows of x.
-// Each warp decodes its A fragments (rotate + mask puts each FP4 code into a
-// bf16/fp16 whose value is e2m1 * 2^-126 / 2^-14, one packed multiply by the
-// re-encoded block scale makes it e2m1 * scale * 2^-8 exactly) and issues
+// Each warp decodes its A fragments (nvfp4_decode.cuh) and issues
 // mma.m16n8k16 with the weights as the 16-row operand and x as the 8-wide
 // one ("swap AB").
 #pragma once
 
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/arch/sm90.cuh"
+#include "lowbit/linear/nvfp4_decode.cuh"
 #include "lowbit/linear/nvfp4_linear_layout.h"
 
 namespace lowbit::nvfp4::gemm::mma {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-
-__device__ __forceinline__ uint32_t rotl(uint32_t x, int r) { return __funnelshift_l(x, x, r); }
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(a), "r"(sel));
-  return d;
-}
-
-// d = f(a, b, c) for the 3-input truth table kLut (0xf8: a | (b & c),
-// 0xea: (a & b) | c).
-template <int kLut>
-__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLut));
-  return d;
-}
-
-template <typename T> struct Mma;
-
-template <> struct Mma<__nv_bfloat16> {
-  // Codes as bf16 e2m1 * 2^-126 (bf16 subnormal for 0.5).
-  // The integer pipe is what limits the small-M GEMM (ncu: ALU ~70% busy),
-  // so the rotates whose masked bits do not wrap are written as multiplies
-  // by powers of two, which the compiler issues on the FMA pipe (IMAD.SHL).
-  __device__ __forceinline__ static void decode(uint32_t w, uint32_t (&r)[4]) {
-    constexpr uint32_t kS = 0x80008000u, kM = 0x01c001c0u;
-    r[0] = w & (kS | kM);
-    r[1] = (w * 8u) & (kS | kM);                                  // rotl 3
-    r[2] = lop3<0xf8>((w * 2u) & kS, w * 64u, kM);                // rotl 1 (sign) | rotl 6 (magnitude)
-    r[3] = lop3<0xf8>((w * 4u) & kS, rotl(w, 13), kM);            // rotl 2 | rotl 13 (wraps)
-  }
-  // scale * 2^118 in both halves, from the byte picked by sel: one LOP3
-  // (a & mask) | bias with the bias in a register.
-  __device__ __forceinline__ static uint32_t multiplier(uint32_t word, uint32_t sel) {
-    return lop3<0xea>(prmt(word, sel), 0x0ff00ff0u, 0x70007000u);
-  }
-  __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <> struct Mma<__half> {
-  // Codes as fp16 e2m1 * 2^-14: the bf16 pattern with the magnitude moved up 3.
-  __device__ __forceinline__ static void decode(uint32_t w, uint32_t (&r)[4]) {
-    Mma<__nv_bfloat16>::decode(w, r);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) r[i] = (r[i] & 0x80008000u) | ((r[i] << 3) & 0x0e000e00u);
-  }
-  // scale * 2^6 in both halves.
-  __device__ __forceinline__ static uint32_t multiplier(uint32_t word, uint32_t sel) {
-    return (prmt(word, sel) & 0x0ff00ff0u) << 3;
-  }
-  __device__ __forceinline__ static uint32_t mul(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 
 // First k-tile of W tile row `tile_row` in the prepacked layout: its codes
 // and its scales.
@@ -154,71 +81,6 @@ __device__ __forceinline__ void load_stage(Stage<MT>& st, const uint4* __restric
         st.x[mt][kt] = col0 + kt * 16 + t * 4 < k
                            ? cuda::ld_coherent(reinterpret_cast<const uint2*>(xrow[mt] + col0 + kt * 16))
                            : make_uint2(0, 0);
-  }
-}
-
-// A fragment of k-tile kt, e2m1 * block scale * 2^-8 exactly: the lane word
-// w of the codes and the scale word sw = scale words[kt / 2] of its tile
-// (rows g and g + 8; see nvfp4_linear_layout.h).
-template <typename T>
-__device__ __forceinline__ void decode_fragment(uint32_t w, uint32_t sw, int kt, uint32_t (&a)[4]) {
-  Mma<T>::decode(w, a);
-  const uint32_t mult_lo = Mma<T>::multiplier(sw, (kt & 1) ? 0x2222u : 0x0000u);  // row g
-  const uint32_t mult_hi = Mma<T>::multiplier(sw, (kt & 1) ? 0x3333u : 0x1111u);  // row g+8
-  a[0] = Mma<T>::mul(a[0], mult_lo);
-  a[1] = Mma<T>::mul(a[1], mult_hi);
-  a[2] = Mma<T>::mul(a[2], mult_lo);
-  a[3] = Mma<T>::mul(a[3], mult_hi);
-}
-
-// Lane word w of k-tile kt (scale word sw, as decode_fragment) as floats,
-// e2m1 * block scale * 2^-8 exactly: rows g (lo) and g + 8 (hi), 4
-// consecutive columns each (the layout's K permutation). For the passes that
-// unpack or re-round the weight.
-__device__ __forceinline__ void decode_word_rows(uint32_t w, uint32_t sw, int kt, float (&lo)[4], float (&hi)[4]) {
-  uint32_t a[4];
-  decode_fragment<__nv_bfloat16>(w, sw, kt, a);
-  const uint32_t l[2] = {a[0], a[2]}, h[2] = {a[1], a[3]};
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    lo[2 * j] = __uint_as_float(l[j] << 16);
-    lo[2 * j + 1] = __uint_as_float(l[j] & 0xffff0000u);
-    hi[2 * j] = __uint_as_float(h[j] << 16);
-    hi[2 * j + 1] = __uint_as_float(h[j] & 0xffff0000u);
-  }
-}
-
-// b's low (kHigh false) or high half in both halves. Feeding a multiply,
-// ptxas folds it into the operand (HMUL2 ... R.H0_H0): no instruction.
-template <bool kHigh>
-__device__ __forceinline__ uint32_t half_broadcast(uint32_t b) {
-  uint32_t m;
-  if constexpr (kHigh) {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {h, h};\n}" : "=r"(m) : "r"(b));
-  } else {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n mov.b32 %0, {l, l};\n}" : "=r"(m) : "r"(b));
-  }
-  return m;
-}
-
-// The A fragments of k-tiles kt and kt + 1 (kt even), which share the scale
-// word sw: as decode_fragment, but the multipliers of both are built at once
-// (row g's two scales in one register, row g + 8's in another) and each
-// multiply takes its half: 4 instructions for the multipliers, not 8.
-template <typename T>
-__device__ __forceinline__ void decode_fragment_pair(uint32_t w0, uint32_t w1, uint32_t sw, uint32_t (&a)[2][4]) {
-  Mma<T>::decode(w0, a[0]);
-  Mma<T>::decode(w1, a[1]);
-  const uint32_t mult_lo = Mma<T>::multiplier(sw, 0x2200u);  // row g: k-tile kt in h0, kt + 1 in h1
-  const uint32_t mult_hi = Mma<T>::multiplier(sw, 0x3311u);  // row g + 8
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {  // k-tile kt + i takes half i of each multiplier
-    const uint32_t lo = i ? half_broadcast<true>(mult_lo) : half_broadcast<false>(mult_lo);
-    const uint32_t hi = i ? half_broadcast<true>(mult_hi) : half_broadcast<false>(mult_hi);
-    a[i][0] = Mma<T>::mul(a[i][0], lo);
-    a[i][1] = Mma<T>::mul(a[i][1], hi);
-    a[i][2] = Mma<T>::mul(a[i][2], lo);
-    a[i][3] = Mma<T>::mul(a[i][3], hi);
   }
 }
 
@@ -355,22 +217,6 @@ struct WideSmem {
   uint4 w[kWideStages<MT>][kWarps][kTileChunks];
 };
 
-// 16 bytes (the first src_bytes of them from gmem, the rest zeros) to the
-// shared-memory address saddr; .cg bypasses L1, .ca goes through it.
-__device__ __forceinline__ void cp_async16_cg(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async16_ca(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes));
-}
-// 16 bytes from gmem to smem past L1, or 16 zeros when !valid.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  cp_async16_cg(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid ? 16 : 0);
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // xsrc[j]: this thread's staged row j (x row threadIdx.x / 16 + 16 j of the
 // CTA, clamped to a valid row by the caller) at column 8 (threadIdx.x % 16).
 // wtiles / stiles: this warp's W tile row (ignored when !warp_active, for
@@ -396,22 +242,22 @@ __device__ __forceinline__ void wide_mainloop(float (&acc)[MT][4], WideSmem<T, M
       const bool valid = kc * kTileK + chunk * 8 < k;  // xsrc already points at column 8 chunk
 #pragma unroll
       for (int j = 0; j < MT / 2; ++j)
-        cp_async16(&sm.x[buf][row0 + 16 * j][chunk * 8], xsrc[j] + (valid ? kc * kTileK : 0), valid);
+        sm90::cp_async16(&sm.x[buf][row0 + 16 * j][chunk * 8], xsrc[j] + (valid ? kc * kTileK : 0), valid);
       if (warp_active) {
         const uint4* wp = wtiles + kc * (kTileBytes / 16);
-        cp_async16(&sm.w[buf][warp][lane], wp + lane, true);
-        cp_async16(&sm.w[buf][warp][32 + lane], wp + 32 + lane, true);
+        sm90::cp_async16(&sm.w[buf][warp][lane], wp + lane, true);
+        sm90::cp_async16(&sm.w[buf][warp][32 + lane], wp + 32 + lane, true);
         if (lane < kTileScaleBytes / 16)
-          cp_async16(&sm.w[buf][warp][64 + lane], stiles + kc * (kTileScaleBytes / 16) + lane, true);
+          sm90::cp_async16(&sm.w[buf][warp][64 + lane], stiles + kc * (kTileScaleBytes / 16) + lane, true);
       }
     }
-    cp_async_commit();
+    sm90::cp_async_commit();
   };
 #pragma unroll
   for (int i = 0; i < kWideStages<MT> - 1; ++i) stage(kc_begin + i);
   for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
     const int buf = static_cast<int>((kc - kc_begin) % kWideStages<MT>);
-    cp_async_wait<kWideStages<MT> - 2>();  // this thread's copies of tile kc have landed
+    sm90::cp_async_wait<kWideStages<MT> - 2>();  // this thread's copies of tile kc have landed
     __syncthreads();                        // everyone's have; and tile kc - 1's buffer is free
     stage(kc + kWideStages<MT> - 1);
     if (!warp_active) continue;
@@ -490,11 +336,11 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
   const uint4* ssrc = stiles + kc_begin * (kTileScaleBytes / 16) + lane % (kTileScaleBytes / 16);
   auto stage_w = [&](int64_t kc, int slot) {
     if (kc < kc_end) {
-      cp_async16(&sm.w[slot][warp][lane], wsrc, true);
-      cp_async16(&sm.w[slot][warp][32 + lane], wsrc + 32, true);
-      if (lane < kTileScaleBytes / 16) cp_async16(&sm.w[slot][warp][64 + lane], ssrc, true);
+      sm90::cp_async16(&sm.w[slot][warp][lane], wsrc, true);
+      sm90::cp_async16(&sm.w[slot][warp][32 + lane], wsrc + 32, true);
+      if (lane < kTileScaleBytes / 16) sm90::cp_async16(&sm.w[slot][warp][64 + lane], ssrc, true);
     }
-    cp_async_commit();
+    sm90::cp_async_commit();
     wsrc += kTileBytes / 16;
     ssrc += kTileScaleBytes / 16;
   };
@@ -532,7 +378,7 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
   int slot = 0, fill = S - 1;  // slots of k-tiles kc and kc + S - 1
   uint32_t parity = 0;         // of slot's x barrier phase for k-tile kc
   for (int64_t kc = kc_begin; kc < kc_end; ++kc) {
-    cp_async_wait<S - 2>();  // this thread's W copies of tile kc have landed
+    sm90::cp_async_wait<S - 2>();  // this thread's W copies of tile kc have landed
     __syncwarp();            // and every lane's of the warp
     sm90::wgmma_wait<1>();   // the previous tile's first half is done with a0
     decode_half(slot, 0, a0);
@@ -553,7 +399,7 @@ __device__ __forceinline__ void wide_wgmma_mainloop(float (&acc)[MT][4], WideWgm
   sm90::wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < 4 * MT; ++i) sm90::fence_operand(d[i]);
-  cp_async_wait<0>();
+  sm90::cp_async_wait<0>();
 }
 
 // ---- streaming warps (at most 8 rows of x) -----------------------------------
@@ -588,9 +434,9 @@ LOWBIT_HD constexpr int stream_stage_bytes(int rows, int tiles = 1) {
 // wsrc (this lane's 16 bytes at lane * 16 and 512 + lane * 16), then the
 // 128 bytes of scales from ssrc (lanes 0..7), past L1 (read once).
 __device__ __forceinline__ void copy_w_ktile(uint32_t st, const char* wsrc, const char* ssrc, int lane) {
-  cp_async16_cg(st + lane * 16, wsrc, 16);
-  cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
-  if (lane < kTileScaleBytes / 16) cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
+  sm90::cp_async16_cg(st + lane * 16, wsrc, 16);
+  sm90::cp_async16_cg(st + 512 + lane * 16, wsrc + 512, 16);
+  if (lane < kTileScaleBytes / 16) sm90::cp_async16_cg(st + kTileBytes + lane * 16, ssrc, 16);
 }
 // Shared memory of one streaming warp's ring of `stages` slots for `rows`
 // rows of x and `tiles` W tiles.
@@ -605,7 +451,7 @@ template <typename T, int kPairs>
 __device__ __forceinline__ void copy_x_ktile(uint32_t st, const T* const (&xp)[kPairs], uint32_t bytes, int pairs) {
 #pragma unroll
   for (int j = 0; j < kPairs; ++j)
-    if (j <= kPairs / 2 || j < pairs) cp_async16_ca(st + j * 2 * kStreamRowBytes, xp[j], bytes);
+    if (j <= kPairs / 2 || j < pairs) sm90::cp_async16_ca(st + j * 2 * kStreamRowBytes, xp[j], bytes);
 }
 // The MMAs of the k-tile in the stage at st (generic address); xoff: this
 // lane's x fragment in a stage (m-tile 0; xoff_hi: m-tile 1). acc: kTiles
@@ -697,7 +543,7 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], ui
       for (int j = 0; j < kTiles; ++j) copy_w_ktile(st + j * kStreamWBytes, wsrc + j * wstep, ssrc + j * sstep, lane);
       copy_x_ktile<T, kPairs>(st + dst_x, xp, col < k_cols ? 16 : 0, pairs);
     }
-    cp_async_commit();
+    sm90::cp_async_commit();
     kc_issue += kW;
     wsrc += kW * kTileBytes;
     ssrc += kW * kTileScaleBytes;
@@ -717,13 +563,13 @@ __device__ __forceinline__ void stream_mainloop(float (&acc)[kTiles * MT][4], ui
     // Refill the slot the previous iteration read (every lane is past it:
     // the __syncwarp below ordered its reads before this point).
     issue();
-    cp_async_wait<kStages - 1>();  // this lane's copies of k-tile kc have landed
+    sm90::cp_async_wait<kStages - 1>();  // this lane's copies of k-tile kc have landed
     __syncwarp();                  // and every lane's
     stream_ktile_mma<T, kDecodePairs, kTiles, MT>(reinterpret_cast<const char*>(ring) + slot * stage_bytes, xoff, lane,
                                                   acc, xoff_hi);
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
-  cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
+  sm90::cp_async_wait<0>();  // no copy outlives the loop (the ring may be reused)
 }
 
 // stream_mainloop over a run of units that crosses W tile rows, walked
@@ -776,7 +622,7 @@ class StreamRunWarp {
     for (; next_ >= end; next_ -= kW) {
       // Into the slot the previous unit read (__syncwarp'ed past).
       issue(next_ - (kStreamStages - 1) * kW, lane);
-      cp_async_wait<kStreamStages - 1>();  // this lane's copies of the unit have landed
+      sm90::cp_async_wait<kStreamStages - 1>();  // this lane's copies of the unit have landed
       __syncwarp();                        // and every lane's
       stream_ktile_mma<T, true>(ring_ + slot_ * stage_bytes_, xoff, lane, acc);
       slot_ = slot_ + 1 == kStreamStages ? 0 : slot_ + 1;
@@ -784,7 +630,7 @@ class StreamRunWarp {
   }
 
   // No copy outlives the warp's run (the ring may be reused).
-  __device__ __forceinline__ void finish() { cp_async_wait<0>(); }
+  __device__ __forceinline__ void finish() { sm90::cp_async_wait<0>(); }
 
  private:
   // Unit u's copies (none below bottom; u is kW under the last call's), one
@@ -796,7 +642,7 @@ class StreamRunWarp {
       copy_w_ktile(st, wsrc_, ssrc_, lane);
       copy_x_ktile<T, kPairs>(st + dst_x_, xp_, kc_x_ < kc_in_k_ ? 16 : 0, pairs_);
     }
-    cp_async_commit();
+    sm90::cp_async_commit();
     wsrc_ -= kW * kTileBytes;
     ssrc_ -= kW * kTileScaleBytes;
     kc_x_ -= kW;
@@ -895,7 +741,7 @@ __device__ __forceinline__ void panel_mainloop(float (&acc)[MT][4], uint8_t* sme
   int issued = 0, slot_issue = 0;
   auto issue = [&]() {
     if (issued < ktiles) copy_w_ktile(ring0 + slot_issue * kPanelStageBytes, wsrc, ssrc, lane);
-    cp_async_commit();
+    sm90::cp_async_commit();
     ++issued;
     wsrc += kTileBytes;
     ssrc += kTileScaleBytes;
@@ -909,7 +755,7 @@ __device__ __forceinline__ void panel_mainloop(float (&acc)[MT][4], uint8_t* sme
   int slot = 0;
   for (int j = 0; j < ktiles; ++j) {
     issue();  // refills the slot the previous k-tile read (the __syncwarp below ordered its reads first)
-    cp_async_wait<S - 1>();  // this lane's W copies of k-tile j have landed
+    sm90::cp_async_wait<S - 1>();  // this lane's W copies of k-tile j have landed
     __syncwarp();            // and every lane's
     const uint8_t* st = ring + slot * kPanelStageBytes;
     const uint4 w0 = reinterpret_cast<const uint4*>(st)[lane], w1 = reinterpret_cast<const uint4*>(st)[32 + lane];
@@ -924,7 +770,7 @@ __device__ __forceinline__ void panel_mainloop(float (&acc)[MT][4], uint8_t* sme
         acc);
     slot = slot + 1 == S ? 0 : slot + 1;
   }
-  cp_async_wait<0>();  // no copy outlives the loop (the epilogue reuses the buffers)
+  sm90::cp_async_wait<0>();  // no copy outlives the loop (the epilogue reuses the buffers)
 }
 
 }  // namespace lowbit::nvfp4::gemm::mma
