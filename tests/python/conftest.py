@@ -11,6 +11,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "concurrency: every op from several processes at once (test_concurrency.py; -m 'not concurrency' "
         "leaves it out)")
+    config.addinivalue_line(
+        "markers", "slow: AOTInductor packages and whole transformers models, tens of seconds each on the CPU "
+        "(pytest -m 'not slow' is the quick tier; the full run, bash run.sh test, keeps them)")
     if not config.pluginmanager.hasplugin("xdist"):
         config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's --dist loadgroup group")
 
@@ -28,11 +31,11 @@ XDIST_GROUPS = {"test_aoti.py": "aoti"}
 SLOW_FIRST = (
     "test_aoti.py",  # one xdist group: its packages, in turn, on one worker
     "test_hf_models.py::test_quantized_model_in_an_aoti_package",
-    "test_nvfp4_linear.py::test_compile_inductor_fullgraph",
+    "test_linear_compile.py::test_compile_inductor_fullgraph",
     "test_nn_moe.py::test_cuda_matches_reference_and_cpu",
     "test_concurrency.py",
     "test_demo.py",
-    "test_nvfp4_linear.py::test_cuda_stream_kernel",
+    "test_linear_kernels_cuda.py::test_cuda_stream_kernel",
     "test_routing.py::test_compile_fullgraph_matches_eager",
     "test_hf_models.py",
     "test_checkpoint.py::test_modelopt_checkpoint_loads_to_quantize_s_model",

@@ -23,6 +23,9 @@ import torch
 import lowbit
 from lowbit.nn import Nvfp4MoE
 
+# Every test here compiles an AOTInductor package: the slow tier (-m 'not slow' leaves it out).
+pytestmark = pytest.mark.slow
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 H, E, I, K, VOCAB = 128, 8, 64, 2, 50
 

@@ -86,7 +86,7 @@ KNOB_SETS = [
     },
 ]
 
-LINEAR_TOL = 4e-3  # test_nvfp4_linear.py REL_TOL
+LINEAR_TOL = 4e-3  # linear_reference.py REL_TOL
 MOE_TOL = 5e-3  # test_nvfp4_moe.py LOW_TOL
 CPU_MACS = 5e7  # first results are checked against the CPU op up to this many multiply-adds
 # Where the float32 references above CPU_MACS run: on the op's device by
@@ -256,7 +256,7 @@ def _linear_check(w: LinearWeight, x, bias, fp8_min_rows, tol):
 
 
 # (n, k, [(m, form, dtype)]): forms per linear_plan on a 132-SM H100 with
-# no knobs set (see the comments of test_nvfp4_linear.py).
+# no knobs set (see the comments of test_linear_kernels_cuda.py).
 LINEAR_SHAPES = [
     (22400, 1168, [(1, "stream, 1 warp/tile, capped CTAs/SM", torch.bfloat16),
                    (5, "stream 5..8 rows", torch.float16),
@@ -315,7 +315,7 @@ def add_linear_cases(b: Builder):
                   _linear_check(w, x, bias, 0, LINEAR_TOL),
                   knobs=("LOWBIT_STREAM_K", "LOWBIT_STREAM_TILES", "LOWBIT_LINEAR_WIDE_WGMMA", "LOWBIT_WGMMA_PAIR"))
     # The FP8 mode (cuBLASLt FP8 after lowbit's row-rounding kernels): its
-    # extra error is ~4e-2 (test_nvfp4_linear.py FP8_MODE_TOL 6e-2).
+    # extra error is ~4e-2 (linear_reference.py FP8_MODE_TOL 6e-2).
     n, k = (256, 512) if b.small else (4096, 1024)
     w = LinearWeight(b, n, k)
     x = b.randn(64, k, gen=b.gen("fp8 x"), dtype=torch.bfloat16)

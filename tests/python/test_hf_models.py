@@ -71,6 +71,7 @@ def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", sorted(COUNTS))
 def test_quantized_model_computes_its_dequantized_weights(family, device):
@@ -105,13 +106,14 @@ def test_quantized_model_computes_its_dequantized_weights(family, device):
     assert 2 * bf16_noise < rel(got, unquantized) < 0.6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", sorted(COUNTS))
 def test_quantized_model_compiles_in_one_graph(family, device):
     model = lowbit.quantize_(build(family, device), progress=False)
     ids = torch.randint(0, VOCAB, (2, 24), device=device)
     # The eager backend: Dynamo's trace only (fullgraph raises on a graph
-    # break); Inductor on the ops is test_nvfp4_linear's and test_nn_moe's.
+    # break); Inductor on the ops is test_linear_compile's and test_nn_moe's.
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.equal(compiled(ids).logits, model(ids).logits)
@@ -128,6 +130,7 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=ids, use_cache=False).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("family", sorted(COUNTS))
 def test_quantized_model_in_an_aoti_package(family, device, tmp_path):
@@ -161,6 +164,7 @@ def test_quantized_model_in_an_aoti_package(family, device, tmp_path):
         assert torch.equal(from_cpp, got.cpu())
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_cuda_compiled_static_cache_generation():
     """transformers' fast generation path: a static cache and the forward

@@ -428,7 +428,7 @@ def test_bad_arguments_raise_clear_errors():
         Nvfp4MoE.from_modelopt(**dict(t, shared_down_proj=t["shared_down_proj"][0]), k=2)
 
 
-# Dynamo specializes sizes 0 and 1 unless told not to (see test_nvfp4_linear).
+# Dynamo specializes sizes 0 and 1 unless told not to (see linear_reference.size_oblivious).
 size_oblivious = torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 

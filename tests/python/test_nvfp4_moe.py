@@ -390,7 +390,7 @@ def moe_fn(x, w, ids, w13, w13s, g13, w2, w2s, g2):
     return lowbit.nvfp4_moe(x, w, ids, w13, w13s, g13, w2, w2s, g2, 0.5)
 
 
-# Dynamo specializes sizes 0 and 1 unless told not to (see test_nvfp4_linear).
+# Dynamo specializes sizes 0 and 1 unless told not to (see linear_reference.size_oblivious).
 size_oblivious = torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 

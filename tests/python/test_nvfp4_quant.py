@@ -42,7 +42,11 @@ def check_against_reference(x, global_scale=None):
 
 
 def heavy_tailed(shape, dtype, gen):
-    t = torch.distributions.StudentT(torch.tensor(2.0)).sample(shape)
+    # Student's t with 2 degrees of freedom, z / sqrt(chi2_2 / 2) with
+    # chi2_2 / 2 = -log(u), drawn from `gen` (StudentT.sample takes no
+    # generator): the same distribution, reproducible.
+    z = torch.randn(shape, generator=gen)
+    t = z / torch.sqrt(-torch.log(torch.rand(shape, generator=gen)))
     return (t * torch.rand(shape, generator=gen)).to(dtype)
 
 
