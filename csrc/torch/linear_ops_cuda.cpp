@@ -1,6 +1,6 @@
 // CUDA kernels of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: adapters to the core
-// launchers in csrc/lowbit/linear/nvfp4_linear*.cu. gemm::linear_plan picks the
-// kernel from M and the shape (the table in nvfp4_linear.h: fused kernels up
+// launchers in csrc/lowbit/linear/. gemm::linear_plan picks the
+// kernel from M and the shape (the table in sm90_linear_plan.h: fused kernels up
 // to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
 // kernel's x image), taken from the caching allocator. Above that
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale

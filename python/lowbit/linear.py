@@ -6,7 +6,7 @@ The weight is prepacked once, at load time, into the layout of
 ``csrc/lowbit/linear/nvfp4_linear_layout.h`` (the same on CPU and GPU, so a module can
 be moved with ``.to()``). On CUDA, fused decode + tensor core kernels run
 M <= 2048 rows (mma.sync up to 16 rows, then wgmma; the dispatch table is in
-``csrc/lowbit/linear/nvfp4_linear.h``); above that the weight is unpacked to x's
+``csrc/lowbit/linear/sm90_linear_plan.h``); above that the weight is unpacked to x's
 dtype and cuBLAS runs. The CPU kernel (the reference) unpacks to FP32 and
 does an FP32 matmul.
 """

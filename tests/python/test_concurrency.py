@@ -16,7 +16,7 @@ per op and case.
 Kernel forms: the library picks a form from the shapes (M crossing the
 dispatch thresholds, N, K, experts, rows per expert), and most cases here
 are chosen to land on one form each on a 132-SM H100 (`form` in each case
-name; csrc/lowbit/linear/nvfp4_linear.cu linear_plan, nvfp4_moe.cu plan,
+name; csrc/lowbit/linear/sm90_linear_plan.cu linear_plan, nvfp4_moe.cu plan,
 routing.cu route_typed, routing_ops_cuda.cpp dense_router_cuda). A few
 forms only appear on shapes too large for a test, or are chosen by
 environment variables that the library reads once per process (a
@@ -59,8 +59,8 @@ PROCS = int(os.environ.get("LOWBIT_CONCURRENCY_PROCS", "6"))
 SECONDS = float(os.environ.get("LOWBIT_CONCURRENCY_SECONDS", "20"))
 
 # Environment variables that choose kernel forms the shapes below do not
-# reach (read once per process: csrc/lowbit/linear/nvfp4_linear.cu, nvfp4_moe.cu,
-# nvfp4_linear_wgmma.cu). The first set is the library's own choice.
+# reach (read once per process: csrc/lowbit/linear/sm90_linear_plan.cu,
+# csrc/lowbit/moe/nvfp4_moe.cu). The first set is the library's own choice.
 KNOB_SETS = [
     {},
     {

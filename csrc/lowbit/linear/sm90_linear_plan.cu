@@ -291,7 +291,7 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 //     warps uncapped and they take more than one wave at what an SM holds
 //     (rings of 9-10 KB a warp: 16-24 warps a SM), runs of 96 units or more
 //     (Linear v24 in docs/perf/log/linear.md: 7168 x 18432 at M = 8, 122-unit runs,
-//     3-5% faster in three sessions; six other such shapes -3% to +8%,
+//     3-5% faster in three runs; six other such shapes -3% to +8%,
 //     +2% on average; with CTAs of 1-2 warps, 7168 x 65536, 6-7% slower).
 // LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
 // run, for probes.
