@@ -158,14 +158,15 @@ class Nvfp4Linear(KeepsDtypes):
         ``weight_scale`` E4M3 [N, K/16], ``weight_global`` = amax / 2688
         (one value), ``bias`` [N]. Bad tensors raise ValueError (shapes) or
         TypeError (dtypes) naming the argument."""
-        return cls._from_checked(weight, weight_scale, weight_global, bias)
+        _check_checkpoint("from_checkpoint", ("weight", "weight_scale", "weight_global"), weight, weight_scale,
+                          weight_global, bias)
+        return cls._from_valid(weight, weight_scale, weight_global, bias)
 
     @classmethod
-    def _from_checked(
-        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None,
-        source: str = "from_checkpoint", names: tuple[str, str, str] = ("weight", "weight_scale", "weight_global"),
+    def _from_valid(
+        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None
     ) -> "Nvfp4Linear":
-        _check_checkpoint(source, names, weight, weight_scale, weight_global, bias)
+        """The layer from checkpoint-layout tensors that _check_checkpoint passed."""
         n, k = weight.shape[0], weight.shape[1] * 2
         mod = cls(k, n, bias=bias is not None, device=weight.device,
                   bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
@@ -182,8 +183,9 @@ class Nvfp4Linear(KeepsDtypes):
         cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, bias: Tensor | None = None
     ) -> "Nvfp4Linear":
         """NVIDIA ModelOpt tensors: ``weight``, ``weight_scale``, ``weight_scale_2`` (= amax / 2688)."""
-        return cls._from_checked(weight, weight_scale, weight_scale_2, bias, "from_modelopt",
-                                 ("weight", "weight_scale", "weight_scale_2"))
+        _check_checkpoint("from_modelopt", ("weight", "weight_scale", "weight_scale_2"), weight, weight_scale,
+                          weight_scale_2, bias)
+        return cls._from_valid(weight, weight_scale, weight_scale_2, bias)
 
     @classmethod
     def from_compressed_tensors(
@@ -192,8 +194,7 @@ class Nvfp4Linear(KeepsDtypes):
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
         names = ("weight_packed", "weight_scale", "weight_global_scale")
         _check_checkpoint("from_compressed_tensors", names, weight_packed, weight_scale, weight_global_scale, bias)
-        return cls._from_checked(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale),
-                                 bias, "from_compressed_tensors", names)
+        return cls._from_valid(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale), bias)
 
     def to_modelopt(self) -> dict[str, Tensor]:
         """The layer as NVIDIA ModelOpt checkpoint tensors (the inverse of
