@@ -37,16 +37,10 @@ struct StreamKRuns {
   }
 };
 
-// A flag is set to this launch's %gridid once its slot is written, and the
-// CTA that reads the slot sets it back to zero: a workspace fresh from the
-// allocator needs no zeroing (a stale word is some other launch's id, or
-// zero), and a graph replay, which may launch with the same id, finds its
-// flags at zero.
-__device__ __forceinline__ uint64_t launch_id() {
-  uint64_t id;
-  asm volatile("mov.u64 %0, %%gridid;" : "=l"(id));
-  return id;
-}
+// A flag is set to 1 once its slot is written. The launcher zeroes the
+// flags before each launch: memory fresh from the allocator may hold any
+// bytes (an int64 tensor's values, say), so no value read from it can tell
+// a published slot from a stale word.
 
 // The sums of the CTA's warps for one piece, element e of 16 x m (W row
 // e % 16, x row e / 16) at partial.sum; every thread calls it.
@@ -92,7 +86,6 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
   uint4* ring = stream_ring + warp * (mma::stream_warp_bytes(rows) / 16);
   float* slots = workspace;
   auto* flags = reinterpret_cast<uint64_t*>(workspace + int64_t{gridDim.x} * kStreamKSlotFloats);
-  const uint64_t id = launch_id();
   const int32_t top = u1 - 1 - warp, first_tile = u0 / tiles_k, last_tile = (u1 - 1) / tiles_k;
   const int32_t top_kc = ((top % tiles_k) + tiles_k) % tiles_k;
   mma::StreamRunWarp<T, W, kPairs> walk(ring, rows, xsrc, codes, scales, k, tiles_k, top, top_kc, u0, lane);
@@ -107,7 +100,7 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
     if (first < cta) {
       if (threadIdx.x == 0)
         for (int32_t r = first; r < cta; ++r)
-          while (cuda::ld_acquire_gpu(flags + r) != id) __nanosleep(64);
+          while (cuda::ld_acquire_gpu(flags + r) == 0) __nanosleep(64);
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < kStreamKElemsPerThread; ++i) {
@@ -126,12 +119,10 @@ __global__ void __launch_bounds__(32 * W, kStreamKWarpsPerSm / W) linear_stream_
         const int e = threadIdx.x + i * 32 * W;
         if (e < elems) stream_k_store(before[i] + piece.sum(e), e, nt, n, global_scale.get(), bias.get(), out);
       }
-      if (threadIdx.x == 0)
-        for (int32_t r = first; r < cta; ++r) cuda::st_relaxed_gpu(flags + r, uint64_t{0});
     } else {  // publish: the slot, then (after the CTA barrier) the flag
       for (int e = threadIdx.x; e < elems; e += 32 * W) slots[int64_t{cta} * kStreamKSlotFloats + e] = piece.sum(e);
       __syncthreads();
-      if (threadIdx.x == 0) cuda::st_release_gpu(flags + cta, id);
+      if (threadIdx.x == 0) cuda::st_release_gpu(flags + cta, uint64_t{1});
     }
     __syncthreads();  // piece is reused by the next one
   }
@@ -151,6 +142,10 @@ cudaError_t launch_stream_k(const LinearArgs& a, const LinearPlan& p, cudaStream
   const int smem =
       cuda::smem_for_ctas_per_sm(W * mma::stream_warp_bytes(static_cast<int>(a.m), 1, stages), p.ctas_per_sm);
   cudaError_t err = cuda::allow_dynamic_smem(linear_stream_k_kernel<T, W, kPairs>, smem);
+  if (err != cudaSuccess) return err;
+  // The flags after the slots (stream_k_workspace_bytes), zeroed in stream order.
+  float* flags = static_cast<float*>(a.workspace) + p.stream_k_ctas * kStreamKSlotFloats;
+  err = cudaMemsetAsync(flags, 0, p.stream_k_ctas * sizeof(uint64_t), stream);
   if (err != cudaSuccess) return err;
   return cuda::launch_dependent(linear_stream_k_kernel<T, W, kPairs>, dim3(static_cast<unsigned>(p.stream_k_ctas)),
                                 dim3(32 * W), smem, stream, static_cast<const T*>(a.x), a.weight, a.scale,
