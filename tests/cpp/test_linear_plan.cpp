@@ -13,12 +13,15 @@
 //     heuristic changes them, and the GPU tests (test_linear_kernels_cuda.py,
 //     test_linear_plans_cuda.py: every M of 1..2048 against a reference)
 //     check that whatever is picked computes the right answer.
+// Also the plan strings' overrides (the plans the GPU tests force keep the
+// invariants; what each key forces) and explain_linear_plan's text.
 // Plans at more rows also depend on occupancy queries (panel, wide, wgmma)
 // and are left to the GPU tests.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #if defined(LOWBIT_WITH_CUDA)
 #include "lowbit/linear/nvfp4_linear.h"
@@ -163,7 +166,7 @@ TEST_F(LinearPlan, EveryPlanIsValid) {
 
 TEST_F(LinearPlan, TheStreamFormsArePickedSomewhere) {
   // Guards that the plan still reaches each form of the stream kernel
-  // without the knobs (else it would run only in the forced GPU tests):
+  // without overrides (else it would run only in the forced GPU tests):
   // stream-K at M <= 8 where whole tiles sit unevenly on the SMs and K is
   // long (18432 x 7168, Linear v21); two W tiles per warp at 5..8 rows
   // (1536 x 24576, Linear v23) and at 9..16 (2048 x 7168), with 8-warp CTAs
@@ -216,6 +219,106 @@ TEST_F(LinearPlan, KTooLongForTheStreamCountersRunsTheNarrowKernel) {
     EXPECT_EQ(gemm::linear_plan(m, 16 * 4096, longest).path, LinearPath::kStream) << m;
     EXPECT_EQ(gemm::linear_plan(m, 16 * 4096, longest + 1).path, LinearPath::kNarrow) << m;
   }
+}
+
+// The plan strings of the GPU tests (test_linear_kernels_cuda.py,
+// test_linear_plans_cuda.py, test_concurrency.py) and the rows they force:
+// every plan they give keeps the invariants, so that each forced form can
+// launch.
+TEST_F(LinearPlan, EveryForcedPlanIsValid) {
+  struct Forced {
+    const char* plan;
+    int64_t m_lo, m_hi;
+  };
+  const Forced forced[] = {
+      {"path=stream,stream_tiles=1", 1, 8},
+      {"path=stream,stream_tiles=1,stream_ctas_per_sm=3", 1, 8},
+      {"path=stream,stream_tiles=2", 5, 16},
+      {"path=stream,stream_tiles=2,stream_ctas_per_sm=1", 5, 16},
+      {"path=stream,stream_tiles=2,stream_warps=8,stream_splits=1", 9, 16},
+      {"path=stream,stream_tiles=1,stream_stages=2", 1, 8},
+      {"path=stream,stream_tiles=2,stream_stages=3", 5, 16},
+      {"stream_k=1", 1, 16},
+      {"stream_k=1,stream_ctas_per_sm=1", 1, 16},
+      {"stream_k=1,wide_wgmma=1,wgmma_pair=1", 1, 16},
+      {"stream_tiles=2,stream_stages=3,wide_wgmma=0,wgmma_pair=0", 1, 16},
+      {"path=narrow", 1, 16},
+      {"path=wide", 1, 16},
+      {"path=panel", gemm::kPanelMinM, 16},
+      {"stream_warps=2,stream_splits=3", 1, 8},
+  };
+  const int64_t tile_counts[] = {1, 3, 16, 256, 350, 1152, 2707, 65536};
+  const int64_t ks[] = {32, 400, 1168, 2176, 7168, 18432};
+  for (const Forced& f : forced) {
+    const gemm::LinearPlanOverrides o = gemm::parse_linear_plan_string(f.plan);
+    for (const int64_t tiles : tile_counts)
+      for (const int64_t k : ks) {
+        if (tiles >= 65535 && k > 32) continue;
+        for (int64_t m = f.m_lo; m <= f.m_hi; ++m) {
+          SCOPED_TRACE(f.plan);
+          const gemm::LinearPlan p = gemm::linear_plan(m, tiles * kTileRows, k, o);
+          ExpectValidPlan(m, tiles * kTileRows, k, p);
+          EXPECT_NE(p.rule, nullptr);
+        }
+      }
+  }
+}
+
+TEST_F(LinearPlan, OverridesApplyWhereTheyCan) {
+  // What each key forces, and the limits that still move a forced path.
+  auto plan = [](int64_t m, int64_t n, int64_t k, const char* s) {
+    return gemm::linear_plan(m, n, k, gemm::parse_linear_plan_string(s));
+  };
+  for (int64_t m = 1; m <= 8; ++m) {
+    const gemm::LinearPlan p = plan(m, 4096, 1024, "stream_k=1");
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_GT(p.stream_k_ctas, 0) << m;
+    EXPECT_EQ(plan(m, 7168, 18432, "stream_k=0").stream_k_ctas, 0) << m;
+    EXPECT_EQ(plan(m, 4096, 1024, "path=narrow").path, LinearPath::kNarrow) << m;
+  }
+  for (int64_t m = 5; m <= 16; ++m) {
+    const gemm::LinearPlan p = plan(m, 4096, 1024, "path=stream,stream_tiles=2,stream_stages=3");
+    EXPECT_EQ(p.path, LinearPath::kStream) << m;
+    EXPECT_EQ(p.stream_tiles, 2) << m;
+    EXPECT_EQ(p.stream_stages, 3) << m;
+  }
+  // Above the stream kernel's rows, the narrow kernel; panel above 16 rows,
+  // the wide kernel: each with the rule and the limit that moved it.
+  const gemm::LinearPlan narrow = plan(12, 4096, 1024, "path=stream,stream_tiles=1");
+  EXPECT_EQ(narrow.path, LinearPath::kNarrow);
+  EXPECT_STREQ(narrow.rule, "the path the plan string names");
+  EXPECT_NE(narrow.fallback, nullptr);
+  EXPECT_EQ(plan(20, 4096, 1024, "path=panel").path, LinearPath::kWide);
+  EXPECT_EQ(plan(3, 4096, 1024, "path=panel,panel_splits=2").splits, 2);
+  EXPECT_EQ(plan(100, 4096, 1024, "path=wgmma").path, LinearPath::kWgmma);
+  EXPECT_EQ(plan(100, 4096, 1024, "path=unpack").path, LinearPath::kUnpack);
+  EXPECT_TRUE(plan(64, 4096, 1024, "path=wide,wide_wgmma=1").wide_wgmma);
+  EXPECT_FALSE(plan(64, 4096, 16384, "wide_wgmma=0").wide_wgmma);
+  // (Whether pairs can be forced on depends on the wgmma K splits, which
+  // read the occupancy: left to the GPU tests.)
+  EXPECT_FALSE(plan(1000, 16 * 769, 2176, "wgmma_pair=0").wgmma_pair);
+  EXPECT_EQ(plan(1, 4096, 4096, "path=stream,stream_warps=2,stream_ctas_per_sm=1").warps, 2);
+  EXPECT_EQ(plan(1, 4096, 4096, "path=stream,stream_warps=2,stream_ctas_per_sm=1").ctas_per_sm, 1);
+}
+
+TEST_F(LinearPlan, ExplainNamesTheFormAndTheRule) {
+  const gemm::LinearPlan p = gemm::linear_plan(1, 4096, 4096);
+  EXPECT_NE(p.rule, nullptr);
+  EXPECT_EQ(p.fallback, nullptr);
+  const std::string text = gemm::explain_linear_plan(1, 4096, 4096);
+  EXPECT_NE(text.find("path: stream\nform: stream\nkernel: stream (sm90_linear_stream.cu): "), std::string::npos)
+      << text;
+  EXPECT_NE(text.find(std::string("why: ") + p.rule + "\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("plan: the shipped plan (no overrides)\n"), std::string::npos) << text;
+  const std::string forced =
+      gemm::explain_linear_plan(1, 4096, 4096, gemm::parse_linear_plan_string("stream_ctas_per_sm=1,stream_k=1"));
+  EXPECT_NE(forced.find("form: stream-k\n"), std::string::npos) << forced;
+  EXPECT_NE(forced.find("why: stream-K, as the plan string asks (stream_k=1)\n"), std::string::npos) << forced;
+  EXPECT_NE(forced.find("plan: stream_ctas_per_sm=1,stream_k=1\n"), std::string::npos) << forced;
+  const std::string moved = gemm::explain_linear_plan(1, 65536 * kTileRows, 32);
+  EXPECT_NE(moved.find("path: wide\n"), std::string::npos) << moved;
+  EXPECT_NE(moved.find("; then more than 65535 W tiles"), std::string::npos) << moved;
+  EXPECT_NE(gemm::explain_linear_plan(4096, 4096, 4096).find("form: unpack\n"), std::string::npos);
 }
 
 TEST_F(LinearPlan, MoreTilesThanGridYHoldsRunTheWideKernel) {

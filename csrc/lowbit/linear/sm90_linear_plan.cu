@@ -9,7 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
+#include <optional>
+#include <sstream>
 #include <string>
 
 #include "lowbit/arch/cuda_utils.cuh"
@@ -20,87 +21,7 @@
 
 namespace lowbit::nvfp4::gemm {
 namespace {
-
 using mma::kWarps;
-
-// ---- development knobs ------------------------------------------------------
-// Every environment variable the plan reads, each read once (on first use),
-// for benchmarks and probes; sm90_linear_plan.h lists what they do.
-
-// The integer in environment variable `name`, or `unset`.
-int env_int(const char* name, int unset) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : unset;
-}
-
-// LOWBIT_LINEAR_PATH: the forced path, or -1.
-int knob_linear_path() {
-  static const int path = [] {
-    const char* v = std::getenv("LOWBIT_LINEAR_PATH");
-    if (!v) return -1;
-    const std::string s(v);
-    if (s == "stream") return static_cast<int>(LinearPath::kStream);
-    if (s == "narrow") return static_cast<int>(LinearPath::kNarrow);
-    if (s == "wide") return static_cast<int>(LinearPath::kWide);
-    if (s == "wgmma") return static_cast<int>(LinearPath::kWgmma);
-    if (s == "panel") return static_cast<int>(LinearPath::kPanel);
-    if (s == "unpack") return static_cast<int>(LinearPath::kUnpack);
-    return -1;
-  }();
-  return path;
-}
-// LOWBIT_STREAM_WARPS: the forced warps per stream CTA, or 0.
-int knob_stream_warps() {
-  static const int forced = [] {
-    const int w = env_int("LOWBIT_STREAM_WARPS", 0);
-    return w == 1 || w == 2 || w == 4 || w == 8 ? w : 0;
-  }();
-  return forced;
-}
-// LOWBIT_STREAM_CTAS_PER_SM: the forced cap, or 0.
-int knob_stream_ctas_per_sm() {
-  static const int cap = env_int("LOWBIT_STREAM_CTAS_PER_SM", 0);
-  return cap;
-}
-// LOWBIT_STREAM_K: 0 off, 1 on wherever it can run, else -1.
-int knob_stream_k() {
-  static const int forced = env_int("LOWBIT_STREAM_K", -1);
-  return forced;
-}
-// LOWBIT_STREAM_TILES: 1 off, 2 on wherever the stream kernel can run, else 0.
-int knob_stream_tiles() {
-  static const int forced = env_int("LOWBIT_STREAM_TILES", 0);
-  return forced;
-}
-// LOWBIT_STREAM_STAGES: 2 or 3 ring slots, else the plan's.
-int knob_stream_stages() {
-  static const int forced = env_int("LOWBIT_STREAM_STAGES", 0);
-  return forced;
-}
-// LOWBIT_STREAM_SPLITS: the stream kernel's K splits (> 0), else the plan's.
-int knob_stream_splits() {
-  static const int forced = env_int("LOWBIT_STREAM_SPLITS", 0);
-  return forced;
-}
-// LOWBIT_PANEL_SPLITS: the panel kernel's K splits (> 0), else the plan's.
-int knob_panel_splits() {
-  static const int forced = env_int("LOWBIT_PANEL_SPLITS", 0);
-  return forced;
-}
-// LOWBIT_LINEAR_WIDE_WGMMA: 0 mma.sync, 1 wgmma, else -1.
-int knob_linear_wide_wgmma() {
-  static const int forced = env_int("LOWBIT_LINEAR_WIDE_WGMMA", -1);
-  return forced;
-}
-// LOWBIT_WGMMA_PAIR: 0 off, 1 on, else -1.
-int knob_wgmma_pair() {
-  static const int forced = [] {
-    const char* v = std::getenv("LOWBIT_WGMMA_PAIR");
-    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
-  }();
-  return forced;
-}
-
 }  // namespace
 
 // ---- building blocks the MoE shares -----------------------------------------
@@ -122,7 +43,6 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp, int stages) 
 }
 
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp) {
-  if (knob_stream_warps() > 0) return knob_stream_warps();
   const int64_t sms = cuda::num_sms();
   for (int w : {8, 4, 2}) {
     const int64_t warps_per_wave = int64_t{stream_ctas_per_sm_max(w, rows, tiles_per_warp)} * w * sms;
@@ -137,10 +57,9 @@ namespace {
 // The wide kernel's MMAs: wgmma (x image pass + bulk copies; fewer
 // instructions per k-tile) or mma.sync (no extra pass). The extra launch
 // pays off on long GEMMs and with many rows of x; measured on an H100
-// (docs/perf/log/linear.md, Linear v11). LOWBIT_LINEAR_WIDE_WGMMA=0|1 forces either.
-bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
-  const int forced = knob_linear_wide_wgmma();
-  if (forced >= 0) return forced == 1;
+// (docs/perf/log/linear.md, Linear v11). The override wide_wgmma forces either.
+bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt, std::optional<bool> forced) {
+  if (forced) return *forced;
   const int64_t weights = n * k;
   if (mt == 2) return weights >= (int64_t{1} << 25);  // Linear v14b: 1024 x 32768, 1536 x 24576
   if (mt == 4) return n >= 7168 || k >= 7168;
@@ -156,11 +75,10 @@ bool wide_uses_wgmma(int64_t m, int64_t n, int64_t k, int mt) {
 // slower. Fewer slots also let more two-tile CTAs fit (1536 x 24576 at
 // M = 16, runs of 6: 12.5 -> 10.9 us). Two tiles per warp above 8 rows
 // (`wide_pairs`) always take 2: their 16 x rows make a slot 6.9 KB, and 2
-// slots let 4-warp CTAs sit 4 a SM (Linear v26). LOWBIT_STREAM_STAGES=2|3
-// (read once) forces it.
-int stream_stages(int64_t run, bool wide_pairs) {
-  const int forced = knob_stream_stages();
-  if (forced == 2 || forced == 3) return forced;
+// slots let 4-warp CTAs sit 4 a SM (Linear v26). The override stream_stages
+// forces it.
+int stream_stages(int64_t run, bool wide_pairs, std::optional<int> forced) {
+  if (forced) return *forced;
   return wide_pairs || run <= 6 ? 2 : 3;
 }
 
@@ -202,8 +120,10 @@ bool eight_warp_pairs(int64_t m, int64_t pairs, int64_t tiles_k) {
 // waves: 1024 x 32768, M = 1, 9.1 us on 2 warps per tile, 8.5 on one;
 // 1536 x 24576 10.2 on 2, 9.4 on one (v16).
 // With two W tiles per warp (tiles_per_warp 2) the same rules hold for
-// the tile pairs.
-LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_per_warp = 1) {
+// the tile pairs. The overrides stream_warps, stream_splits and
+// stream_stages apply here.
+LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlanOverrides& o,
+                        int tiles_per_warp = 1) {
   constexpr int kSpreadWarpsPerSm = 16;
   const int64_t sms = cuda::num_sms();
   const int64_t units = cuda::ceil_div(ntiles, tiles_per_warp);  // a CTA's W tiles (per K split)
@@ -211,23 +131,25 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
   p.path = LinearPath::kStream;
   p.mt = 1;
   p.stream_tiles = tiles_per_warp;
-  p.warps = units >= 10 * sms && 2 * units <= 3 * kSpreadWarpsPerSm * sms
-                ? 1
-                : stream_warps_per_tile(units, tiles_k, static_cast<int>(m), tiles_per_warp);
+  const int forced_warps = o.stream_warps.value_or(0);
+  p.warps = units >= 10 * sms && 2 * units <= 3 * kSpreadWarpsPerSm * sms ? 1
+            : forced_warps > 0 ? forced_warps
+                               : stream_warps_per_tile(units, tiles_k, static_cast<int>(m), tiles_per_warp);
   // Two tiles per warp above 8 rows: 8-warp CTAs over the whole K where
   // they pay, else CTAs of at most 4 warps (8-warp CTAs ran 10-20% slower
   // at 14..16 rows where two sit on an SM, Linear v26).
   const bool wide_pairs = tiles_per_warp == 2 && m > kStreamMaxM;
-  const bool eight_whole = wide_pairs && knob_stream_warps() == 0 && eight_warp_pairs(m, units, tiles_k);
-  if (wide_pairs && knob_stream_warps() == 0) p.warps = eight_whole ? 8 : std::min(p.warps, 4);
-  const int forced_splits = knob_stream_splits();
+  const bool eight_whole = wide_pairs && forced_warps == 0 && eight_warp_pairs(m, units, tiles_k);
+  if (wide_pairs && forced_warps == 0) p.warps = eight_whole ? 8 : std::min(p.warps, 4);
+  const int forced_splits = o.stream_splits.value_or(0);
   const int64_t splits =
       forced_splits > 0 ? std::min<int64_t>(forced_splits, tiles_k)
       : units >= sms || eight_whole
           ? 1
           : std::min(cuda::ceil_div(sms, units), std::max<int64_t>(1, tiles_k / p.warps));
   p.splits = cuda::ceil_div(tiles_k, cuda::ceil_div(tiles_k, splits));
-  p.stream_stages = stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps), wide_pairs);
+  p.stream_stages =
+      stream_stages(cuda::ceil_div(cuda::ceil_div(tiles_k, p.splits), p.warps), wide_pairs, o.stream_stages);
   // Two tiles per warp at 9..16 rows: the rings may hold fewer CTAs than
   // 16 warps per SM (one tile per warp: they always hold that many).
   const int spread =
@@ -249,15 +171,15 @@ LinearPlan stream_shape(int64_t m, int64_t ntiles, int64_t tiles_k, int tiles_pe
 // fill and the sum. Two splits add up in a cluster (distributed shared
 // memory); more write FP32 partials for split_reduce_kernel, as clusters of
 // 4-8 of these CTAs are placed badly (docs/perf/log/linear.md, Linear v15).
-// LOWBIT_PANEL_SPLITS (read once) forces the count, for benchmarks.
-// splits 0: K is too long for the chunk.
+// The override panel_splits forces the count (among those the chunk
+// allows). splits 0: K is too long for the chunk.
 struct PanelShape {
   int64_t splits = 0;
   bool cluster = false;
   bool one_wave = false;
 };
-PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
-  const int forced = knob_panel_splits();
+PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k, std::optional<int> forced_splits) {
+  const int forced = forced_splits.value_or(0);
   const int64_t ctas = cuda::ceil_div(ntiles, mma::kPanelWarps) * cuda::ceil_div(m, 8 * kPanelMt);
   PanelShape best;
   int64_t best_cost = INT64_MAX;
@@ -279,7 +201,7 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 
 // ---- the stream kernel: stream-K, two W tiles per warp ----------------------
 // The stream-K kernel's CTAs (0: the stream kernel's whole tiles), W warps
-// each, one wave of 16 warps per SM (or fewer: LOWBIT_STREAM_CTAS_PER_SM).
+// each, one wave of 16 warps per SM (or fewer: stream_ctas_per_sm).
 // It can run where W <= tiles_k and the units fit its 32-bit counters. It
 // does where whole tiles would sit unevenly on the SMs and the runs are
 // long enough to repay the pieces' adds:
@@ -293,11 +215,12 @@ PanelShape panel_shape(int64_t m, int64_t ntiles, int64_t tiles_k) {
 //     (Linear v24 in docs/perf/log/linear.md: 7168 x 18432 at M = 8, 122-unit runs,
 //     3-5% faster in three runs; six other such shapes -3% to +8%,
 //     +2% on average; with CTAs of 1-2 warps, 7168 x 65536, 6-7% slower).
-// LOWBIT_STREAM_K=0|1 (read once) turns it off, or on wherever it can
-// run, for probes.
-int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one) {
-  const int forced = knob_stream_k();
-  const int forced_cap = knob_stream_ctas_per_sm();
+// The override stream_k turns it off, or on wherever it can run. *rule:
+// the rule that picked it.
+int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one, const LinearPlanOverrides& o,
+                      const char** rule) {
+  const int forced = o.stream_k ? int{*o.stream_k} : -1;
+  const int forced_cap = o.stream_ctas_per_sm.value_or(0);
   const int warps = one.warps;
   const int64_t units = ntiles * tiles_k, sms = cuda::num_sms();
   if (forced == 0 || m < 1 || m > kStreamMaxM || warps > tiles_k || units > (int64_t{1} << 30)) return 0;
@@ -307,8 +230,17 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
   const bool uneven = 10 * cuda::ceil_div(ntiles, sms) * sms >= 11 * ntiles;
   const bool past_a_wave = m > 4 && warps >= 4 && one.splits == 1 && one.ctas_per_sm == 0 &&
                            ntiles > int64_t{stream_ctas_per_sm_max(warps, static_cast<int>(m))} * sms;
-  if (forced == 1 || (uneven && units >= 128 * ctas) || (past_a_wave && units >= 96 * ctas)) return ctas;
-  return 0;
+  if (forced == 1)
+    *rule = "stream-K, as the plan string asks (stream_k=1)";
+  else if (uneven && units >= 128 * ctas)
+    *rule = "1..8 rows: whole W tiles would sit 10% or more unevenly on the SMs, and each CTA gets a run of 128 "
+            "(W tile, k-tile) units or more: stream-K (stream_k_ctas, Linear v21)";
+  else if (past_a_wave && units >= 96 * ctas)
+    *rule = "5..8 rows: the stream kernel's CTAs of 4-8 warps would take more than a wave, and each CTA gets a run "
+            "of 96 units or more: stream-K (stream_k_ctas, Linear v24)";
+  else
+    return 0;
+  return ctas;
 }
 
 // Whether two W tiles per warp pay at 5..16 rows (Linear v23 in
@@ -324,25 +256,35 @@ int64_t stream_k_ctas(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPl
 // rows they beat one warp per tile (1536 x 24576, 12 a SM: 9.8-10.1 ->
 // 9.3-9.5 us; 1024 x 32768, 16 a SM, on 2-warp CTAs with 2-slot rings:
 // 9.0-9.1 -> 8.5 us at M = 7-8, the same at 5-6, Linear v26), and lost to
-// the other stream plans (0-40%). LOWBIT_STREAM_TILES=1|2 (read
-// once) turns them off, or on at 5..16 rows wherever the stream kernel can
-// run, for probes. one / two: stream_shape's plans with one and two tiles
-// per warp (one: M <= 8 only).
-bool stream_tiles_pay(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one, const LinearPlan& two) {
-  const int forced = knob_stream_tiles();
-  if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return false;
-  if (forced == 2) return true;
-  if (m <= kStreamMaxM) return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0;
+// the other stream plans (0-40%). The override stream_tiles turns them
+// off, or on at 5..16 rows wherever the stream kernel can run. one / two:
+// stream_shape's plans with one and two tiles per warp (one: M <= 8 only).
+// Returns the rule that picked them, or null where they do not pay.
+const char* stream_tiles_pay(int64_t m, int64_t ntiles, int64_t tiles_k, const LinearPlan& one,
+                             const LinearPlan& two, const LinearPlanOverrides& o) {
+  const int forced = o.stream_tiles.value_or(0);
+  if (m < kStreamTilesMinM || m > kStreamTilesMaxM || forced == 1) return nullptr;
+  if (forced == 2) return "two W tiles per warp, as the plan string asks (stream_tiles=2)";
+  if (m <= kStreamMaxM)
+    return one.warps == 1 && one.splits == 1 && one.ctas_per_sm > 0
+               ? "5..8 rows where the one-tile stream plan runs one warp per W tile, unsplit: two W tiles per warp "
+                 "read x once for both (stream_tiles_pay, Linear v26)"
+               : nullptr;
   const int64_t pairs = cuda::ceil_div(ntiles, 2);
-  if (eight_warp_pairs(m, pairs, tiles_k)) return true;  // stream_shape's 8-warp CTAs, whole K
+  if (eight_warp_pairs(m, pairs, tiles_k))  // stream_shape's 8-warp CTAs, whole K
+    return "9..16 rows: two W tiles per warp in 8-warp CTAs over the whole K pay on this many W tiles "
+           "(eight_warp_pairs, Linear v27)";
   // One wave at what the rings hold: stream_shape's cap then covers the grid.
-  return two.splits <= 2 && two.ctas_per_sm > 0 && pairs * two.splits <= two.ctas_per_sm * cuda::num_sms();
+  return two.splits <= 2 && two.ctas_per_sm > 0 && pairs * two.splits <= two.ctas_per_sm * cuda::num_sms()
+             ? "9..16 rows: two W tiles per warp in CTAs of at most 4 warps run in one wave with at most 2 K "
+               "splits, which beats the panel and wide kernels (stream_tiles_pay, Linear v26)"
+             : nullptr;
 }
 
 }  // namespace
 
 // ---- the plan ---------------------------------------------------------------
-LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
+LinearPlan linear_plan(int64_t m, int64_t n, int64_t k, const LinearPlanOverrides& o) {
   LinearPlan p{};
   const int64_t tiles_k = padded_k(k) / kTileK, ntiles = n / kTileN;
   const int64_t sms = cuda::num_sms();
@@ -357,43 +299,92 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   // where its CTAs are capped at 16 warps per SM (stream_shape) and bring
   // 10 warps or more per SM: then it beats the narrow kernel (Linear v13).
   // Two W tiles per warp at 5..16 rows where they pay (Linear v23).
-  const LinearPlan stream_one = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k) : LinearPlan{};
+  // Each rule that picks the stream kernel names itself (stream_rule).
+  const LinearPlan stream_one = m <= kStreamMaxM ? stream_shape(m, ntiles, tiles_k, o) : LinearPlan{};
   const LinearPlan stream_two =
-      m >= kStreamTilesMinM && m <= kStreamTilesMaxM ? stream_shape(m, ntiles, tiles_k, 2) : LinearPlan{};
-  const bool stream_tiles = stream_tiles_pay(m, ntiles, tiles_k, stream_one, stream_two);
+      m >= kStreamTilesMinM && m <= kStreamTilesMaxM ? stream_shape(m, ntiles, tiles_k, o, 2) : LinearPlan{};
+  const char* const tiles_rule = stream_tiles_pay(m, ntiles, tiles_k, stream_one, stream_two, o);
+  const bool stream_tiles = tiles_rule != nullptr;
   const LinearPlan& stream_plan = stream_tiles ? stream_two : stream_one;
   const bool stream_spread =
       stream_plan.ctas_per_sm > 0 && ntiles * stream_plan.splits * stream_plan.warps >= 10 * sms;
+  const char* stream_k_rule = nullptr;
   const int64_t stream_k =
-      m <= kStreamMaxM && !stream_tiles ? stream_k_ctas(m, ntiles, tiles_k, stream_plan) : 0;
-  const bool stream = stream_tiles || (m <= kStreamMaxM && (stream_k > 0 || m > 4 || stream_spread ||
-                                                            (one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms)));
+      m <= kStreamMaxM && !stream_tiles ? stream_k_ctas(m, ntiles, tiles_k, stream_plan, o, &stream_k_rule) : 0;
+  const char* const stream_rule =
+      stream_tiles        ? tiles_rule
+      : m > kStreamMaxM   ? nullptr
+      : stream_k > 0      ? stream_k_rule
+      : m > 4             ? "5..8 rows: the stream kernel, twice the narrow kernel's warps per SM, where the narrow "
+                            "kernel's x fragments cost it most (Linear v9)"
+      : stream_spread     ? "1..4 rows: the stream kernel's CTAs, capped at 16 warps per SM, bring 10 warps or more "
+                            "to every SM (stream_shape, Linear v13)"
+      : one_wave_warps_per_tile(ntiles) == 0 && ntiles > 4 * sms
+          ? "1..4 rows: the narrow kernel has no one-wave shape and more than 4 W tiles per SM (Linear v9)"
+          : nullptr;
+  const bool stream = stream_rule != nullptr;
   // M 12..16: the panel kernel where its grid runs in one wave (Linear v15):
   // x crosses L2 once per 128 W rows and K chunk, not once per 16 W rows.
   // Longer K or more W tiles (the 71 MB shapes) stay on the wide kernel.
   // Below 12 rows the narrow kernel's x traffic (distinct rows only) is
   // small enough that it matches or beats the panel kernel's fixed cost.
-  const bool panel_asked =
-      m <= kPanelMaxM && (m >= kPanelMinM || knob_linear_path() == static_cast<int>(LinearPath::kPanel));
-  const PanelShape panel = panel_asked ? panel_shape(m, ntiles, tiles_k) : PanelShape{};
-  LinearPath path = stream                               ? LinearPath::kStream
-                    : m >= kPanelMinM && panel.one_wave ? LinearPath::kPanel
-                    : m <= kNarrowMaxM && !wide_small_m ? LinearPath::kNarrow
-                    : m <= kWideMaxM                    ? LinearPath::kWide
-                    : m <= kWgmmaMaxM                   ? LinearPath::kWgmma
-                                                        : LinearPath::kUnpack;
-  if (knob_linear_path() >= 0) path = static_cast<LinearPath>(knob_linear_path());
-  p.path = path;
-  if (path == LinearPath::kStream &&
-      (m > (stream_tiles ? kStreamTilesMaxM : kStreamMaxM) || padded_k(k) > kStreamMaxPaddedK))
-    p.path = path = LinearPath::kNarrow;
-  if (path == LinearPath::kPanel && panel.splits == 0) p.path = path = LinearPath::kWide;  // M or K too large
+  const bool panel_asked = m <= kPanelMaxM && (m >= kPanelMinM || o.path == LinearPath::kPanel);
+  const PanelShape panel = panel_asked ? panel_shape(m, ntiles, tiles_k, o.panel_splits) : PanelShape{};
+  LinearPath path;
+  const char* rule;  // explain_linear_plan's "why"
+  if (stream) {
+    path = LinearPath::kStream;
+    rule = stream_rule;
+  } else if (m >= kPanelMinM && panel.one_wave) {
+    path = LinearPath::kPanel;
+    rule = "12..16 rows: the panel kernel's grid runs in one wave and K fits its chunks (panel_shape, Linear v15)";
+  } else if (m <= kNarrowMaxM && !wide_small_m) {
+    path = LinearPath::kNarrow;
+    rule = m <= kStreamMaxM ? "1..4 rows that no stream rule takes: the narrow kernel (Linear v7)"
+                            : "9..16 rows that neither two W tiles per warp nor a one-wave panel grid take, on too few "
+                              "W tiles for the wide kernel's unsplit CTAs to fill 40% of the SMs: the narrow kernel";
+  } else if (m <= kWideMaxM) {
+    path = LinearPath::kWide;
+    rule = m <= kNarrowMaxM ? "9..16 rows on many W tiles (the wide kernel's unsplit CTAs fill 40% of the SMs or "
+                              "more): the wide kernel, x shared by 8 W tiles through shared memory"
+                            : "17..128 rows: the wide kernel";
+  } else if (m <= kWgmmaMaxM) {
+    path = LinearPath::kWgmma;
+    rule = "129..2048 rows: the wgmma kernel";
+  } else {
+    path = LinearPath::kUnpack;
+    rule = "more than 2048 rows: the weight unpacked, then cuBLAS, which there costs less than the wgmma kernel's "
+           "distance to cuBLAS (Linear v8)";
+  }
+  if (o.path) {
+    path = *o.path;
+    rule = "the path the plan string names";
+  }
+  const char* fallback = nullptr;
+  if (path == LinearPath::kStream && m > (stream_tiles ? kStreamTilesMaxM : kStreamMaxM)) {
+    path = LinearPath::kNarrow;
+    fallback = "more rows than the stream kernel takes: the narrow kernel instead";
+  } else if (path == LinearPath::kStream && padded_k(k) > kStreamMaxPaddedK) {
+    path = LinearPath::kNarrow;
+    fallback = "K past the stream kernel's 32-bit counts: the narrow kernel instead";
+  }
+  if (path == LinearPath::kPanel && panel.splits == 0) {
+    path = LinearPath::kWide;
+    fallback = "more than 16 rows, or K too long for the panel kernel's chunks: the wide kernel instead";
+  }
   // The stream and narrow kernels put the 16-row W tiles on grid y, at most
   // 65535 of them (N <= 1048560); the wide kernel's 128-row blocks are on x.
-  if ((path == LinearPath::kStream || path == LinearPath::kNarrow) && ntiles > cuda::kMaxGridDimYZ)
-    p.path = path = LinearPath::kWide;
+  if ((path == LinearPath::kStream || path == LinearPath::kNarrow) && ntiles > cuda::kMaxGridDimYZ) {
+    path = LinearPath::kWide;
+    fallback = "more than 65535 W tiles, the stream and narrow kernels' grid y: the wide kernel instead";
+  }
+  p.path = path;
+  p.rule = rule;
+  p.fallback = fallback;
   if (path == LinearPath::kStream) {
     p = stream_plan;
+    p.rule = rule;
+    p.fallback = fallback;
     if (stream_k > 0) {
       p.splits = 1;
       p.stream_stages = mma::kStreamStages;  // its kernel's rings (runs of 96 units or more)
@@ -402,7 +393,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
       p.workspace_bytes = stream_k_workspace_bytes(stream_k);
       return p;
     }
-    const int forced_cap = knob_stream_ctas_per_sm();
+    const int forced_cap = o.stream_ctas_per_sm.value_or(0);
     if (forced_cap > 0)
       p.ctas_per_sm = std::min(forced_cap,
                                stream_ctas_per_sm_max(p.warps, static_cast<int>(m), p.stream_tiles, p.stream_stages));
@@ -432,7 +423,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
     // win there with 33..128 rows of x and lose with 17..32 (Linear v12).
     p.mt = m <= 16 ? 2 : m <= 32 ? 4 : 8;
     const int64_t ctas = cuda::ceil_div(ntiles, 8) * cuda::ceil_div(m, 8 * p.mt);
-    p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt);
+    p.wide_wgmma = wide_uses_wgmma(m, n, k, p.mt, o.wide_wgmma);
     p.splits_in_cluster = p.wide_wgmma && (n >= 8192 || (p.mt == 8 && n >= 7168));
     const int64_t max_splits = std::max<int64_t>(1, p.splits_in_cluster ? std::min<int64_t>(kWideMaxSplits, tiles_k / 4)
                                                                    : tiles_k / 4);
@@ -456,7 +447,7 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
   } else if (path == LinearPath::kWgmma) {
     p.mt = linear_wgmma_tokens(m);
     p.splits = linear_wgmma_splits(m, n, k);
-    p.wgmma_pair = linear_wgmma_pairs(m, p.splits);
+    p.wgmma_pair = linear_wgmma_pairs(m, p.splits, o.wgmma_pair);
     return p;
   } else {
     p.splits = 1;
@@ -470,16 +461,15 @@ LinearPlan linear_plan(int64_t m, int64_t n, int64_t k) {
 // ---- the wgmma kernel -------------------------------------------------------
 int linear_wgmma_tokens(int64_t m) { return m <= 128 ? 128 : 256; }
 
-bool linear_wgmma_pairs(int64_t m, int64_t splits) {
+bool linear_wgmma_pairs(int64_t m, int64_t splits, std::optional<bool> forced) {
   // Pairs halve each CTA's decode but tie two CTAs together. Measured
   // (docs/perf/log/linear.md, Linear v14): from 4 token tiles of 256 (M 1024-2048)
   // mostly 2-8% faster; with one (M = 256) 2x slower, as a pair's second
   // CTA has no tokens; 2 and 3 tiles not measured, left unpaired.
-  // LOWBIT_WGMMA_PAIR=0|1 (read once) forces them off or on (where the
-  // tiles are 256 tokens and K is not split), for benchmarks.
-  const int forced = knob_wgmma_pair();
+  // `forced` turns them off or on (where the tiles are 256 tokens and K is
+  // not split).
   if (linear_wgmma_tokens(m) != 256 || splits != 1) return false;
-  return forced >= 0 ? forced == 1 : m > 3 * 256;
+  return forced ? *forced : m > 3 * 256;
 }
 
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
@@ -503,6 +493,81 @@ int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
     }
   }
   return best;
+}
+
+// ---- the plan in words -------------------------------------------------------
+namespace {
+
+// "1 warp", "8 warps".
+std::string count(int64_t n, const char* one, const char* many) {
+  return std::to_string(n) + " " + (n == 1 ? one : many);
+}
+// "K unsplit" or "K in 3 splits".
+std::string k_splits(int64_t splits) { return splits == 1 ? "K unsplit" : "K in " + count(splits, "split", "splits"); }
+
+// The kernel form and its shape, from the plan alone.
+void describe_kernel(std::ostream& s, const LinearPlan& p) {
+  switch (p.path) {
+    case LinearPath::kStream:
+      if (p.stream_k_ctas > 0 && p.stream_tiles != 2) {  // as linear_fused_cuda launches it
+        s << "stream-K (sm90_linear_stream_k.cu): " << p.stream_k_ctas << " CTAs of " << count(p.warps, "warp", "warps")
+          << " in one wave, each on an equal run of (W tile, k-tile) units across W tiles, a tile's pieces "
+             "added in k order";
+        return;
+      }
+      s << "stream (sm90_linear_stream.cu): " << count(p.warps, "warp", "warps") << " per CTA, "
+        << count(p.stream_tiles, "W tile", "W tiles") << " per warp, rings of " << p.stream_stages << " slots, "
+        << k_splits(p.splits);
+      if (p.ctas_per_sm > 0) s << ", at most " << count(p.ctas_per_sm, "CTA", "CTAs") << " per SM";
+      return;
+    case LinearPath::kNarrow:
+      s << "narrow (sm90_linear_stream.cu): " << count(p.warps, "warp", "warps") << " per 16-row W tile, "
+        << count(p.mt, "m-tile", "m-tiles") << " of 8 rows per warp, " << k_splits(p.splits);
+      return;
+    case LinearPath::kPanel:
+      s << "panel (sm90_linear_panel.cu): " << mma::kPanelWarps << " warps on " << 16 * mma::kPanelWarps
+        << " W rows, " << k_splits(p.splits);
+      break;
+    case LinearPath::kWide:
+      s << "wide (sm90_linear_wide.cu) on " << (p.wide_wgmma ? "wgmma after an x image pass" : "mma.sync")
+        << ": 128 W rows x " << 8 * p.mt << " rows of x per CTA, " << k_splits(p.splits);
+      break;
+    case LinearPath::kWgmma:
+      s << "wgmma (sm90_linear_wgmma.cu): 128 W rows x " << p.mt << " tokens per CTA, W decoded into shared "
+        << "memory, " << k_splits(p.splits) << (p.splits > 1 ? " (a cluster)" : "")
+        << (p.wgmma_pair ? ", CTAs in pairs that share the decode" : "");
+      return;
+    case LinearPath::kUnpack:
+      s << "unpack + cuBLAS (the binding): the weight unpacked to x's dtype, then at::linear";
+      return;
+  }
+  if (p.splits > 1) s << (p.splits_in_cluster ? " added in a cluster" : " added through FP32 partials");
+}
+
+}  // namespace
+
+std::string explain_linear_plan(int64_t m, int64_t n, int64_t k, const LinearPlanOverrides& overrides) {
+  const LinearPlan p = linear_plan(m, n, k, overrides);
+  const bool stream_k = p.path == LinearPath::kStream && p.stream_k_ctas > 0 && p.stream_tiles != 2;
+  std::ostringstream s;
+  s << "path: " << linear_path_name(p.path) << "\n";
+  s << "form: " << (stream_k ? "stream-k" : linear_path_name(p.path)) << "\n";
+  s << "kernel: ";
+  describe_kernel(s, p);
+  s << "\n";
+  s << "why: " << p.rule << (p.fallback ? "; then " : "") << (p.fallback ? p.fallback : "") << "\n";
+  s << "workspace: " << p.workspace_bytes << " bytes";
+  if (stream_k)
+    s << " (the pieces' partial sums and flags)";
+  else if (p.wide_wgmma)
+    s << " (the x image" << (p.workspace_bytes > wide_image_bytes(m, k, p.mt) ? ", then FP32 partials)" : ")");
+  else if (p.workspace_bytes > 0)
+    s << " (FP32 partials of the K splits)";
+  s << "\n";
+  s << "device: " << cuda::num_sms() << " SMs, " << cuda::smem_per_sm() / 1024 << " KB of shared memory per SM\n";
+  const std::string forced = to_plan_string(overrides);
+  s << "plan: " << (forced.empty() ? "the shipped plan (no overrides)" : forced) << "\n";
+  return s.str();
 }
 
 }  // namespace lowbit::nvfp4::gemm

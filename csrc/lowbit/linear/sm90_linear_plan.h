@@ -68,30 +68,61 @@
 // above that the narrow kernel; the panel kernel's chunk bounds K, above it
 // the wide kernel. K splits always add in a fixed order (deterministic).
 //
-// Development knobs, each read once from the environment (sm90_linear_plan.cu
-// reads them all), for benchmarks and probes; a shipped plan never sets them:
-//   LOWBIT_LINEAR_PATH=stream|narrow|panel|wide|wgmma|unpack  forces a path
-//     for every M (panel: M <= 16 and K short enough for its chunks, else the
-//     wide kernel).
-//   LOWBIT_STREAM_WARPS=1|2|4|8  warps per stream CTA (stream_warps_per_tile).
-//   LOWBIT_STREAM_CTAS_PER_SM=c  caps every stream plan at c CTAs per SM
-//     (Linear v18).
-//   LOWBIT_STREAM_K=0|1  turns the stream-K form off, or on at M <= 8
-//     wherever it can run (Linear v21).
-//   LOWBIT_STREAM_TILES=1|2  turns two W tiles per warp off, or on at 5..16
-//     rows wherever the stream kernel can run (Linear v23).
-//   LOWBIT_STREAM_STAGES=2|3  the stream kernel's ring slots (Linear v25).
-//   LOWBIT_STREAM_SPLITS=s  the stream kernel's K splits (at most its
-//     k-tiles).
-//   LOWBIT_PANEL_SPLITS=s  the panel kernel's K splits.
-//   LOWBIT_LINEAR_WIDE_WGMMA=0|1  the wide kernel on mma.sync or wgmma.
-//   LOWBIT_WGMMA_PAIR=0|1  wgmma CTA pairs off or on (256-token tiles, K not
-//     split).
+// Overrides (LinearPlanOverrides): a plan string (lowbit/plan_string.h)
+// forces choices of one call, for tests and probes; the shipped op passes
+// none. Keys, each applied where the rule it overrides sits:
+//   path=stream|narrow|panel|wide|wgmma|unpack  the path for every M (the
+//     limits above still apply: stream above its rows or K takes narrow;
+//     panel above 16 rows or K too long for its chunks takes wide).
+//   stream_warps=1|2|4|8  warps per stream CTA where stream_warps_per_tile
+//     would pick them.
+//   stream_ctas_per_sm=c  caps every stream plan at c CTAs per SM (Linear v18).
+//   stream_k=0|1  the stream-K form off, or on at M <= 8 wherever it can run
+//     (Linear v21).
+//   stream_tiles=1|2  two W tiles per warp off, or on at 5..16 rows wherever
+//     the stream kernel can run (Linear v23).
+//   stream_stages=2|3  the stream kernel's ring slots (Linear v25).
+//   stream_splits=s  the stream kernel's K splits (at most its k-tiles).
+//   panel_splits=s  the panel kernel's K splits (among the counts its chunks
+//     allow).
+//   wide_wgmma=0|1  the wide kernel on mma.sync or wgmma.
+//   wgmma_pair=0|1  wgmma CTA pairs off or on (256-token tiles, K not split).
+// explain_linear_plan tells which form runs a problem and the rule that
+// picked it (lowbit.explain_plan).
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "lowbit/linear/nvfp4_linear_layout.h"
+
+namespace lowbit::nvfp4::gemm {
+
+enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack, kPanel };
+const char* linear_path_name(LinearPath path);  // "stream", "narrow", ...
+
+// Choices a plan string forces (the keys above); each unset one is the plan's.
+struct LinearPlanOverrides {
+  std::optional<LinearPath> path;
+  std::optional<int> stream_warps;        // 1, 2, 4 or 8
+  std::optional<int> stream_ctas_per_sm;  // >= 1
+  std::optional<bool> stream_k;
+  std::optional<int> stream_tiles;        // 1 or 2
+  std::optional<int> stream_stages;       // 2 or 3
+  std::optional<int> stream_splits;       // >= 1
+  std::optional<int> panel_splits;        // >= 1
+  std::optional<bool> wide_wgmma;
+  std::optional<bool> wgmma_pair;
+};
+// Throws std::invalid_argument naming the key of a bad item
+// (lowbit/plan_string.h). Host code; built without CUDA too, so that every
+// device checks a plan string alike.
+LinearPlanOverrides parse_linear_plan_string(const std::string& plan);
+// The overrides as a plan string in key order ("" when none is set).
+std::string to_plan_string(const LinearPlanOverrides& overrides);
+
+}  // namespace lowbit::nvfp4::gemm
 
 #if defined(LOWBIT_WITH_CUDA)
 namespace lowbit::nvfp4::gemm {
@@ -117,7 +148,6 @@ constexpr int64_t kWgmmaBlockRows = 128;  // W rows of a wgmma CTA (nvfp4_wgmma.
 // speed up to 512 tokens, where the unpacked form ran at 0.44-0.59x, and at
 // 0.82x against 0.85x at 2048 (docs/perf/log/grouped.md, Nvfp4GroupedLinear v3).
 constexpr int64_t kGroupedWgmmaMaxM = 1024;
-enum class LinearPath { kStream, kNarrow, kWide, kWgmma, kUnpack, kPanel };
 struct LinearPlan {
   LinearPath path;
   int mt;                    // narrow / wide: 8-row m-tiles per warp; wgmma: tokens per tile
@@ -133,8 +163,14 @@ struct LinearPlan {
   bool wide_wgmma;           // wide: wgmma after an x image pass, not mma.sync
   bool splits_in_cluster;    // wide on wgmma, panel: K splits added in a cluster, not through partials
   bool wgmma_pair;           // wgmma: CTAs in pairs that share the decode (nvfp4_wgmma.cuh)
+  const char* rule;          // the rule that picked the path (explain_linear_plan)
+  const char* fallback;      // a limit that then moved it to another path, or null
 };
-LinearPlan linear_plan(int64_t m, int64_t n, int64_t k);
+LinearPlan linear_plan(int64_t m, int64_t n, int64_t k, const LinearPlanOverrides& overrides = {});
+// Which form runs (M, N, K) on the current device and why: the plan as
+// "key: value" lines (path, form, kernel, why, workspace, device, plan),
+// for lowbit.explain_plan.
+std::string explain_linear_plan(int64_t m, int64_t n, int64_t k, const LinearPlanOverrides& overrides = {});
 
 // Building blocks of the plan that the MoE uses too.
 // Warps per 16-row W tile for a narrow kernel of `tiles` W tiles (CTAs of
@@ -147,7 +183,6 @@ int one_wave_warps_per_tile(int64_t tiles);
 // and shared memory), else 1 (docs/perf/log/linear.md, Linear v9).
 // tiles_per_warp 2: `tiles` counts tile pairs, each warp takes both of a
 // pair (at 9..16 rows the plan then takes 8 warps or at most 4: Linear v27).
-// LOWBIT_STREAM_WARPS forces it.
 int stream_warps_per_tile(int64_t tiles, int64_t tiles_k, int rows, int tiles_per_warp = 1);
 // The most stream CTAs of `warps` warps one SM holds at `rows` rows of x,
 // `tiles_per_warp` W tiles per warp and rings of `stages` slots: registers
@@ -159,7 +194,9 @@ int stream_ctas_per_sm_max(int warps, int rows, int tiles_per_warp = 1, int stag
 // (128 or 256), K splits, whether CTAs pair up to share the decode.
 int linear_wgmma_tokens(int64_t m);
 int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k);
-bool linear_wgmma_pairs(int64_t m, int64_t splits);
+// `forced` (wgmma_pair) turns pairs on or off where the tiles are 256 tokens
+// and K is not split.
+bool linear_wgmma_pairs(int64_t m, int64_t splits, std::optional<bool> forced = std::nullopt);
 
 }  // namespace lowbit::nvfp4::gemm
 #endif

@@ -41,9 +41,7 @@
 // while the up kernel drains, then wait for h.
 #include <algorithm>
 #include <cstddef>
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
@@ -701,24 +699,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const T* e
   cuda::store8(out + t * h + c, acc);
 }
 
-// False where the environment sets `name` to "0" (benchmark knobs).
-bool env_not_zero(const char* name) {
-  const char* v = std::getenv(name);
-  return !(v && std::string(v) == "0");
-}
-// LOWBIT_MOE_STREAM=0 (read once) keeps the register-staged narrow kernels
-// for one token.
-bool stream_enabled() {
-  static const bool enabled = env_not_zero("LOWBIT_MOE_STREAM");
-  return enabled;
-}
-// LOWBIT_MOE_HOT=0 (read once) leaves hot experts in the narrow list
-// (16-row items).
-bool hot_list_enabled() {
-  static const bool enabled = env_not_zero("LOWBIT_MOE_HOT");
-  return enabled;
-}
-
 // Shape of a narrow kernel of `tiles` (work item, W tile) pairs (an upper
 // bound: work items x W tiles per expert). As in the Linear (docs/perf/log/linear.md,
 // Linear v7): the fewest warps per W tile that give every SM 10 to 16 warps
@@ -750,7 +730,8 @@ NarrowShape narrow_shape(int64_t tiles) {
 // mean too: measured on the DeepSeek layers at M = 4096 (docs/perf/log/moe.md, MoE
 // v9), 256-row tiles win from 128 rows per expert on (half-empty tiles
 // cost less than decoding each expert's weights twice), 128-row tiles from
-// 80, the wide kernels below.
+// 80, the wide kernels below. The override hot=0 leaves the hot experts in
+// the narrow list (16-row items).
 enum class Kernels { kNarrow, kWide, kWgmma };
 struct Plan {
   Kernels kernels;
@@ -761,7 +742,7 @@ struct Plan {
     return kernels == Kernels::kNarrow ? kNarrowItemRows : kernels == Kernels::kWide ? 8 * mt : mt;
   }
 };
-Plan plan(const MoeArgs& a) {
+Plan plan(const MoeArgs& a, const MoePlanOverrides& o) {
   const int64_t slots = a.m * a.k;
   const int64_t active = std::min<int64_t>(a.e, slots);
   const int64_t mean = active > 0 ? slots / active : 0;
@@ -772,7 +753,7 @@ Plan plan(const MoeArgs& a) {
     const int64_t items = active + slots / kNarrowItemRows;
     if (a.m > kNarrowItemRows && narrow_shape(items * (2 * a.inter / 16)).tiles_per_cta == 4 &&
         narrow_shape(items * (a.h / 16)).tiles_per_cta == 4)
-      p.hot = hot_list_enabled();
+      p.hot = o.hot.value_or(true);
     return p;
   }
   if (mean <= 40) return {Kernels::kWide, 4, false, false};
@@ -797,9 +778,9 @@ struct Workspace {
   int64_t bytes;
 };
 
-Workspace carve(const MoeArgs& a, char* base) {
+Workspace carve(const MoeArgs& a, const MoePlanOverrides& o, char* base) {
   const int64_t slots = a.m * a.k;
-  const Plan p = plan(a);
+  const Plan p = plan(a, o);
   Workspace w{};
   w.max_items = p.direct ? slots : std::min<int64_t>(a.e, slots) + slots / p.item_rows();
   // Hot experts have more than kNarrowItemRows rows each.
@@ -852,12 +833,16 @@ cudaError_t launch_narrow(const MoeArgs& a, const Workspace& ws, cudaStream_t st
 // pairs; for one token, streaming warps (stream_warps_per_tile of them per W
 // tile). At M = 4 and 8 they measured 3-4% slower than the register stages
 // (docs/perf/log/moe.md, MoE v10): the ring is sized for M rows, the items mostly
-// hold one.
+// hold one. The overrides stream=0 (register stages for one token too) and
+// stream_warps apply here.
 template <bool kUp, typename T>
-cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  if (a.m == kStreamRows && stream_enabled()) {
+cudaError_t launch_narrow(int64_t tiles, const MoeArgs& a, const Workspace& ws, const MoePlanOverrides& o,
+                          cudaStream_t stream) {
+  if (a.m == kStreamRows && o.stream.value_or(true)) {
     const int64_t k = kUp ? a.h : a.inter;
-    switch (gemm::stream_warps_per_tile(tiles, padded_k(k) / kTileK, kStreamRows)) {
+    const int warps =
+        o.stream_warps ? *o.stream_warps : gemm::stream_warps_per_tile(tiles, padded_k(k) / kTileK, kStreamRows);
+    switch (warps) {
       case 1: return launch_narrow<kUp, T, 1, 1, true>(a, ws, stream);
       case 2: return launch_narrow<kUp, T, 2, 1, true>(a, ws, stream);
       case 4: return launch_narrow<kUp, T, 4, 1, true>(a, ws, stream);
@@ -945,8 +930,8 @@ cudaError_t launch_wgmma(const MoeArgs& a, const Workspace& ws, cudaStream_t str
 // kernel's CTAs get resident while the previous one finishes; every kernel
 // waits for its inputs with griddepcontrol.wait.
 template <typename T>
-cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
-  const Plan p = plan(a);
+cudaError_t launch(const MoeArgs& a, const Workspace& ws, const MoePlanOverrides& o, cudaStream_t stream) {
+  const Plan p = plan(a, o);
   cudaError_t err = cudaSuccess;
   if (!p.direct)
     err = cuda::launch_dependent(moe_align_kernel, dim3(1), dim3(kAlignThreads), a.e * sizeof(int32_t), stream,
@@ -958,8 +943,8 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
     if (p.kernels == Kernels::kNarrow && p.hot) {
       err = launch_mixed<T>(a, ws, stream);
     } else if (p.kernels == Kernels::kNarrow) {
-      err = launch_narrow<true, T>(ws.max_items * (2 * a.inter / 16), a, ws, stream);
-      if (err == cudaSuccess) err = launch_narrow<false, T>(ws.max_items * (a.h / 16), a, ws, stream);
+      err = launch_narrow<true, T>(ws.max_items * (2 * a.inter / 16), a, ws, o, stream);
+      if (err == cudaSuccess) err = launch_narrow<false, T>(ws.max_items * (a.h / 16), a, ws, o, stream);
     } else if (p.kernels == Kernels::kWide) {
       err = p.mt == 4 ? launch_wide<T, 4>(a, ws, stream) : launch_wide<T, 8>(a, ws, stream);
     } else {
@@ -975,18 +960,18 @@ cudaError_t launch(const MoeArgs& a, const Workspace& ws, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t moe_workspace_bytes(const MoeArgs& a) { return carve(a, nullptr).bytes; }
-int64_t moe_max_work_items(const MoeArgs& a) {
-  const Workspace ws = carve(a, nullptr);
+int64_t moe_workspace_bytes(const MoeArgs& a, const MoePlanOverrides& o) { return carve(a, o, nullptr).bytes; }
+int64_t moe_max_work_items(const MoeArgs& a, const MoePlanOverrides& o) {
+  const Workspace ws = carve(a, o, nullptr);
   return ws.max_items + ws.max_hot_items;
 }
 
-cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream) {
+cudaError_t moe_cuda(const MoeArgs& a, void* workspace, cudaStream_t stream, const MoePlanOverrides& o) {
   if (a.m == 0) return cudaSuccess;
-  const Workspace ws = carve(a, static_cast<char*>(workspace));
+  const Workspace ws = carve(a, o, static_cast<char*>(workspace));
   if (ws.max_items + ws.max_hot_items > kMaxWorkItems) return cudaErrorInvalidConfiguration;
-  if (a.dtype == DType::kBFloat16) return launch<__nv_bfloat16>(a, ws, stream);
-  if (a.dtype == DType::kFloat16) return launch<__half>(a, ws, stream);
+  if (a.dtype == DType::kBFloat16) return launch<__nv_bfloat16>(a, ws, o, stream);
+  if (a.dtype == DType::kFloat16) return launch<__half>(a, ws, o, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -12,6 +12,9 @@
 // output in the same lane and fuses the SwiGLU.
 #pragma once
 
+#include <optional>
+#include <string>
+
 #include "lowbit/common.h"
 
 #if defined(LOWBIT_WITH_CUDA)
@@ -46,15 +49,34 @@ struct MoeArgs {
 // Sums run in index order. Ids must lie in [0, E) (the binding checks them).
 void moe_cpu(const MoeArgs& args);
 
+// Choices of the CUDA plan (nvfp4_moe.cu) that a plan string forces for one
+// call (lowbit/plan_string.h; tests and probes, through
+// lowbit::_nvfp4_moe_with_plan); unset, the plan's own. Keys:
+//   stream=0|1        one token on streaming warps (1, the plan's) or on the
+//                     register-staged narrow kernels (0).
+//   hot=0|1           experts with many rows in a hot list where it pays (1,
+//                     the plan's) or left in the narrow list (0).
+//   stream_warps=1|2|4|8  warps per W tile of the one-token streaming kernels.
+struct MoePlanOverrides {
+  std::optional<bool> stream;
+  std::optional<bool> hot;
+  std::optional<int> stream_warps;
+};
+// Throws std::invalid_argument naming the key of a bad item. Host code,
+// built without CUDA too.
+MoePlanOverrides parse_moe_plan_string(const std::string& plan);
+
 #if defined(LOWBIT_WITH_CUDA)
 
 // Workspace the launcher needs, in bytes, for this problem (caller allocates
 // it, 256-byte aligned, from a stream-ordered allocator).
-int64_t moe_workspace_bytes(const MoeArgs& args);
+int64_t moe_workspace_bytes(const MoeArgs& args, const MoePlanOverrides& overrides = {});
 // Upper bound on work items (grid dimension y, so at most kMaxWorkItems).
-int64_t moe_max_work_items(const MoeArgs& args);
+int64_t moe_max_work_items(const MoeArgs& args, const MoePlanOverrides& overrides = {});
 constexpr int64_t kMaxWorkItems = 65535;
-cudaError_t moe_cuda(const MoeArgs& args, void* workspace, cudaStream_t stream);
+// `overrides` must be the ones the workspace was sized for.
+cudaError_t moe_cuda(const MoeArgs& args, void* workspace, cudaStream_t stream,
+                     const MoePlanOverrides& overrides = {});
 #endif
 
 }  // namespace lowbit::nvfp4::moe
