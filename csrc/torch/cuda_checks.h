@@ -27,12 +27,9 @@ inline std::atomic<int8_t>& gpu_support_state(c10::DeviceIndex device) {
 }  // namespace detail
 
 // Raises NotImplementedError naming the op, the GPU (name and compute
-// capability) and what this build supports unless the GPU of `t` can run
-// lowbit's kernels. Does nothing for a tensor not on a CUDA device (the op's
-// own device checks report those).
-inline void check_supported_gpu(const at::Tensor& t, const char* op) {
-  if (!t.is_cuda()) return;
-  const c10::DeviceIndex device = t.device().index() >= 0 ? t.device().index() : at::cuda::current_device();
+// capability) and what this build supports unless CUDA device `device` can
+// run lowbit's kernels.
+inline void check_supported_gpu(c10::DeviceIndex device, const char* op) {
   TORCH_CHECK(device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS, "lowbit.", op, ": CUDA device index ", int(device),
               " out of range");
   auto& state = detail::gpu_support_state(device);
@@ -48,6 +45,13 @@ inline void check_supported_gpu(const at::Tensor& t, const char* op) {
                               ") has compute capability ", props->major, ".", props->minor,
                               ", but this build of lowbit has CUDA kernels for compute capability 9.0 only (",
                               kCudaArchBuilt, ": Hopper, e.g. H100/H200). Run the op on a Hopper GPU or on the CPU.");
+}
+
+// The same for the GPU of `t`. Does nothing for a tensor not on a CUDA
+// device (the op's own device checks report those).
+inline void check_supported_gpu(const at::Tensor& t, const char* op) {
+  if (!t.is_cuda()) return;
+  check_supported_gpu(t.device().index() >= 0 ? t.device().index() : at::cuda::current_device(), op);
 }
 
 }  // namespace lowbit::ops

@@ -2,11 +2,16 @@
 // and Meta kernels (CUDA in linear_ops_cuda.cpp). The CPU Linear is
 // the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
 // bias added in FP32, the result in x's dtype; in the FP8 mode, the same on
-// the E4M3-rounded rows with their scales.
+// the E4M3-rounded rows with their scales. Also the plan strings of
+// lowbit::_nvfp4_linear_with_plan (one path on the CPU: checked, then
+// unused) and lowbit::_explain_linear_plan.
 #include "linear_ops.h"
 
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "checks.h"
 #include "lowbit/linear/nvfp4_linear.h"
@@ -20,6 +25,8 @@ constexpr const char* kUnpack = "nvfp4_unpack";
 constexpr const char* kUnprepack = "nvfp4_unprepack";
 constexpr const char* kLinear = "nvfp4_linear";
 constexpr const char* kGrouped = "nvfp4_grouped_linear";
+constexpr const char* kLinearWithPlan = "_nvfp4_linear_with_plan";
+constexpr const char* kExplain = "explain_plan";
 
 }  // namespace
 
@@ -365,7 +372,62 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::
   return at::empty_symint(linear_output_shape(x, weight), x.options());
 }
 
+at::Tensor linear_with_plan_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
+                                int64_t fp8_min_rows, c10::string_view plan) {
+  parse_linear_plan(plan, kLinearWithPlan);
+  return linear_cpu(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+}
+
+at::Tensor linear_with_plan_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                 const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
+                                 int64_t fp8_min_rows, c10::string_view plan) {
+  parse_linear_plan(plan, kLinearWithPlan);
+  return linear_meta(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+}
+
 }  // namespace
+
+nvfp4::gemm::LinearPlanOverrides parse_linear_plan(c10::string_view plan, const char* op) {
+  try {
+    return nvfp4::gemm::parse_linear_plan_string(std::string(plan));
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, c10::str("lowbit.", op, ": ", e.what()));
+  }
+}
+
+std::string explain_linear_plan_op(int64_t m, int64_t n, int64_t k, int64_t device_index, c10::string_view plan) {
+  [[maybe_unused]] const nvfp4::gemm::LinearPlanOverrides overrides = parse_linear_plan(plan, kExplain);
+  TORCH_CHECK_VALUE(m >= 0 && n >= 0 && k >= 0, "lowbit.", kExplain, ": M, N and K must be >= 0, got ", m, ", ", n,
+                    ", ", k);
+  TORCH_CHECK_VALUE(n % nvfp4::gemm::kTileN == 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kExplain,
+                    ": N and K must be multiples of 16 (as a prepacked weight's), got ", n, " and ", k);
+  TORCH_CHECK_VALUE(device_index >= -1, "lowbit.", kExplain,
+                    ": the device index must be >= 0 (CUDA) or -1 (CPU), got ", device_index);
+  if (device_index < 0)
+    return "path: reference\nform: reference\n"
+           "kernel: the CPU kernel, the reference: the weight unpacked to FP32, one FP32 matmul, the bias added "
+           "in FP32, one rounding to x's dtype\n"
+           "why: the CPU has one path for every shape\n"
+           "workspace: 0 bytes\n"
+           "device: CPU\n"
+           "plan: " +
+           std::string(plan.empty() ? "the shipped plan (no overrides)" : "checked, unused on the CPU") + "\n";
+  if (m == 0 || n == 0 || k == 0)  // as linear_cuda: no kernel runs
+    return "path: none\nform: none\n"
+           "kernel: none: no products, the output is the bias (or zeros)\n"
+           "why: M, N or K is 0\n"
+           "workspace: 0 bytes\n";
+#if defined(LOWBIT_WITH_CUDA)
+  return explain_linear_plan_cuda(m, n, k, device_index, overrides);
+#else
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "lowbit.", kExplain,
+                              ": this build of lowbit has no CUDA kernels (built without nvcc); the CPU kernel "
+                              "runs every shape");
+  return {};
+#endif
+}
+
 }  // namespace lowbit::ops
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
@@ -374,6 +436,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cpu);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cpu);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
+  m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
@@ -382,4 +445,5 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_meta);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_meta);
   m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
+  m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_meta);
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <string>
 #include <tuple>
 
 #include "lowbit/linear/nvfp4_linear.h"
@@ -87,5 +88,20 @@ inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_ro
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
                             const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
                             const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32);
+
+// The overrides a plan string forces (csrc/lowbit/linear/sm90_linear_plan.h,
+// "Overrides"), or ValueError naming `op` and the key.
+nvfp4::gemm::LinearPlanOverrides parse_linear_plan(c10::string_view plan, const char* op);
+
+// lowbit::_explain_linear_plan: which form runs (m, n, k) on CUDA device
+// `device_index` ("key: value" lines: nvfp4::gemm::explain_linear_plan), or
+// on the CPU (device_index -1). The op takes no tensor: one kernel serves
+// every dispatch key.
+std::string explain_linear_plan_op(int64_t m, int64_t n, int64_t k, int64_t device_index, c10::string_view plan);
+#if defined(LOWBIT_WITH_CUDA)
+// Its CUDA part (linear_ops_cuda.cpp): checks the device, then explains.
+std::string explain_linear_plan_cuda(int64_t m, int64_t n, int64_t k, int64_t device_index,
+                                     const nvfp4::gemm::LinearPlanOverrides& overrides);
+#endif
 
 }  // namespace lowbit::ops

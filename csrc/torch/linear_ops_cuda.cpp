@@ -6,6 +6,8 @@
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
 // included) into a temporary and cuBLAS runs through at::linear. From
 // fp8_min_rows rows (when set) the FP8 mode runs instead (linear_fp8_cuda).
+// lowbit::_nvfp4_linear_with_plan runs the same with a plan string's
+// overrides (tests and probes).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -107,8 +109,10 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   return at::_scaled_mm(x8, w8.t(), x_scale, w_scale, bias, c10::nullopt, x2.scalar_type(), /*use_fast_accum=*/false);
 }
 
-at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+// The Linear with the choices `overrides` force (none for the public op).
+at::Tensor linear_cuda_planned(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                               const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
+                               int64_t fp8_min_rows, const gemm::LinearPlanOverrides& overrides) {
   check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
   check_supported_gpu(x, "nvfp4_linear");
   c10::cuda::CUDAGuard guard(x.device());
@@ -138,7 +142,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
     if (bias.has_value()) b = bias->contiguous();
     return linear_fp8_cuda(x2, w, s, g, b, stream).view(out_shape);
   }
-  const gemm::LinearPlan plan = gemm::linear_plan(m, n, k);
+  const gemm::LinearPlan plan = gemm::linear_plan(m, n, k, overrides);
   if (plan.path == gemm::LinearPath::kUnpack) {
     return at::linear(x2, unpacked_cuda(w, s, g, k, x.scalar_type(), stream), bias).view(out_shape);
   }
@@ -156,6 +160,18 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   C10_CUDA_CHECK(gemm::linear_fused_cuda(a, plan, stream));
   return out.view(out_shape);
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows, {});
+}
+
+at::Tensor linear_with_plan_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                                 const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
+                                 int64_t fp8_min_rows, c10::string_view plan) {
+  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows,
+                             parse_linear_plan(plan, "_nvfp4_linear_with_plan"));
 }
 
 // Up to max_fused_rows rows of x (tokens times G): one nvfp4_linear over all
@@ -198,6 +214,18 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 }  // namespace
+
+std::string explain_linear_plan_cuda(int64_t m, int64_t n, int64_t k, int64_t device_index,
+                                     const gemm::LinearPlanOverrides& overrides) {
+  const int64_t count = at::cuda::device_count();
+  TORCH_CHECK_VALUE(device_index < count, "lowbit.explain_plan: no CUDA device ", device_index, " (", count,
+                    " visible); device 'cpu' explains the CPU kernel");
+  const auto device = static_cast<c10::DeviceIndex>(device_index);
+  check_supported_gpu(device, "explain_plan");
+  c10::cuda::CUDAGuard guard(device);  // the plan reads the current device's SMs and occupancy
+  return gemm::explain_linear_plan(m, n, k, overrides);
+}
+
 }  // namespace lowbit::ops
 
 TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
@@ -206,4 +234,5 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cuda);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cuda);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
+  m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_cuda);
 }

@@ -3,11 +3,15 @@
 // device: a row interleave of W13 and the Linear's prepack or unprepack
 // through the dispatcher), and the CPU and Meta kernels of the MoE (CUDA in
 // moe_ops_cuda.cpp). The CPU kernel runs the core's reference
-// (csrc/lowbit/moe/nvfp4_moe_cpu.cpp).
+// (csrc/lowbit/moe/nvfp4_moe_cpu.cpp); so does lowbit::_nvfp4_moe_with_plan's,
+// after checking its plan string.
 #include "moe_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include <stdexcept>
+#include <string>
 
 #include "checks.h"
 #include "lowbit/linear/nvfp4_linear.h"
@@ -227,7 +231,32 @@ at::Tensor moe_meta(const at::Tensor& x, const at::Tensor& topk_weights, const a
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
+at::Tensor moe_with_plan_cpu(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                             const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                             c10::optional<double> swiglu_limit, c10::string_view plan) {
+  parse_moe_plan(plan);
+  return moe_cpu(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit);
+}
+
+at::Tensor moe_with_plan_meta(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                              const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                              const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                              c10::optional<double> swiglu_limit, c10::string_view plan) {
+  parse_moe_plan(plan);
+  return moe_meta(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit);
+}
+
 }  // namespace
+
+nvfp4::moe::MoePlanOverrides parse_moe_plan(c10::string_view plan) {
+  try {
+    return nvfp4::moe::parse_moe_plan_string(std::string(plan));
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, c10::str("lowbit._nvfp4_moe_with_plan: ", e.what()));
+  }
+}
+
 }  // namespace lowbit::ops
 
 TORCH_LIBRARY_IMPL(lowbit, CompositeExplicitAutograd, m) {
@@ -235,6 +264,12 @@ TORCH_LIBRARY_IMPL(lowbit, CompositeExplicitAutograd, m) {
   m.impl("nvfp4_moe_unprepack", &lowbit::ops::moe_unprepack);
 }
 
-TORCH_LIBRARY_IMPL(lowbit, CPU, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_cpu); }
+TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
+  m.impl("nvfp4_moe", &lowbit::ops::moe_cpu);
+  m.impl("_nvfp4_moe_with_plan", &lowbit::ops::moe_with_plan_cpu);
+}
 
-TORCH_LIBRARY_IMPL(lowbit, Meta, m) { m.impl("nvfp4_moe", &lowbit::ops::moe_meta); }
+TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
+  m.impl("nvfp4_moe", &lowbit::ops::moe_meta);
+  m.impl("_nvfp4_moe_with_plan", &lowbit::ops::moe_with_plan_meta);
+}

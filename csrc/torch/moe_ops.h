@@ -23,4 +23,8 @@ nvfp4::moe::MoeArgs moe_args(const at::Tensor& x, const at::Tensor& topk_weights
                              const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
                              c10::optional<double> swiglu_limit, at::Tensor& out);
 
+// The overrides a plan string forces (csrc/lowbit/moe/nvfp4_moe.h,
+// MoePlanOverrides), or ValueError naming the key.
+nvfp4::moe::MoePlanOverrides parse_moe_plan(c10::string_view plan);
+
 }  // namespace lowbit::ops

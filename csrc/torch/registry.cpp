@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "linear_ops.h"
+
 namespace {
 
 std::string build_info() {
@@ -83,6 +85,17 @@ TORCH_LIBRARY(lowbit, m) {
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
       "int fp8_min_rows=0) -> Tensor");
+  // Private (tests and probes): nvfp4_linear with a plan string that forces
+  // kernel choices of this call (csrc/lowbit/linear/sm90_linear_plan.h,
+  // "Overrides"; "" is the shipped plan). The CPU has one path: the string
+  // is checked, then unused. _explain_linear_plan: which kernel form runs
+  // (m, n, k) on CUDA device `device_index` (-1: the CPU) and why, as
+  // "key: value" lines (lowbit.explain_plan).
+  m.def(
+      "_nvfp4_linear_with_plan(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, "
+      "Tensor? bias=None, int fp8_min_rows=0, str plan=\"\") -> Tensor");
+  m.def("_explain_linear_plan(int m, int n, int k, int device_index, str plan=\"\") -> str",
+        &lowbit::ops::explain_linear_plan_op);
 
   // NVFP4 MoE experts, W4A16 (moe_ops.cpp; kernels in
   // csrc/lowbit/moe/nvfp4_moe.cu). nvfp4_moe_prepack converts stacked checkpoint
@@ -99,4 +112,8 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("nvfp4_moe_prepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("nvfp4_moe_unprepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, SymInt hidden_size, SymInt intermediate_size) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("nvfp4_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None) -> Tensor");
+  // Private (tests and probes): nvfp4_moe with a plan string that forces
+  // kernel choices of this call (csrc/lowbit/moe/nvfp4_moe.h,
+  // MoePlanOverrides; checked, then unused on the CPU).
+  m.def("_nvfp4_moe_with_plan(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None, str plan=\"\") -> Tensor");
 }

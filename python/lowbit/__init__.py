@@ -6,7 +6,14 @@ _load()
 
 from .format import Nvfp4Tensor, nvfp4_dequantize, nvfp4_quantize  # noqa: E402
 from .routing import dense_router, hash_router, route, topk  # noqa: E402
-from .linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unpack, nvfp4_unprepack  # noqa: E402
+from .linear import (  # noqa: E402
+    explain_plan,
+    nvfp4_grouped_linear,
+    nvfp4_linear,
+    nvfp4_prepack,
+    nvfp4_unpack,
+    nvfp4_unprepack,
+)
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
@@ -18,6 +25,7 @@ __all__ = [
     "Nvfp4Tensor",
     "build_info",
     "dense_router",
+    "explain_plan",
     "hash_router",
     "has_cuda_kernels",
     "load_checkpoint_",

@@ -13,10 +13,14 @@ does an FP32 matmul.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ._autograd import register_inference_only
+from ._library import has_cuda_kernels
 
 
 class Nvfp4PrepackedWeight(NamedTuple):
@@ -113,6 +117,91 @@ def _linear_backward(ctx, grad_y: Tensor):
 
 
 torch.library.register_autograd("lowbit::nvfp4_linear", _linear_backward, setup_context=_linear_setup_context)
+
+
+def _nvfp4_linear_with_plan(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    weight_global: Tensor,
+    bias: Tensor | None = None,
+    fp8_min_rows: int = 0,
+    *,
+    plan: str = "",
+) -> Tensor:
+    """:func:`nvfp4_linear` with kernel choices forced for this call, for
+    tests and probes (private; no backward). ``plan``: "key=value" items
+    separated by commas, e.g. ``"path=stream,stream_tiles=2"`` (the keys:
+    csrc/lowbit/linear/sm90_linear_plan.h, "Overrides"); "" is the shipped
+    plan. A bad item raises ValueError naming its key, on every device; the
+    CPU kernel has one path and leaves the plan unused, as do the FP8 mode
+    and float32 x on CUDA."""
+    return torch.ops.lowbit._nvfp4_linear_with_plan(x, weight, weight_scale, weight_global, bias, fp8_min_rows, plan)
+
+
+register_inference_only("_nvfp4_linear_with_plan")
+
+
+@dataclass(frozen=True)
+class LinearPlanExplanation:
+    """Which kernel runs an NVFP4 Linear of M rows of x, N outputs and K
+    inputs, and why (:func:`explain_plan`); ``str()`` gives all of it."""
+
+    m: int
+    n: int
+    k: int
+    device: str
+    path: str  # stream, narrow, panel, wide, wgmma or unpack (CUDA); reference (CPU); none (M, N or K is 0)
+    form: str  # the kernel form that runs: the path, or stream-k
+    kernel: str  # the form and its shape: warps, K splits, clusters, CTAs per SM
+    why: str  # the rule of the plan that picked it (and a limit that then moved it, if any)
+    workspace_bytes: int  # device memory the call takes beside x, W and the output
+    text: str  # every line of the plan, "key: value"
+
+    def __str__(self) -> str:
+        body = "\n".join("  " + line for line in self.text.splitlines())
+        return f"lowbit.nvfp4_linear, M={self.m} N={self.n} K={self.k} on {self.device}:\n{body}"
+
+
+def _plan_device_index(device) -> tuple[str, int]:
+    """(name, index for lowbit::_explain_linear_plan: -1 for the CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and has_cuda_kernels() else "cpu"
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu", -1
+    if device.type != "cuda":
+        raise ValueError(f"lowbit.explain_plan: device must be a CUDA device or the CPU, got {device}")
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return f"cuda:{index}", index
+
+
+def _explain_plan(m: int, n: int, k: int, device=None, plan: str = "") -> LinearPlanExplanation:
+    """:func:`explain_plan` under a plan string (private: tests, probes)."""
+    name, index = _plan_device_index(device)
+    text = torch.ops.lowbit._explain_linear_plan(m, n, k, index, plan)
+    fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    return LinearPlanExplanation(m, n, k, name, fields["path"], fields["form"], fields["kernel"], fields["why"],
+                                 int(fields["workspace"].split()[0]), text)
+
+
+def explain_plan(m: int, n: int, k: int, device=None) -> LinearPlanExplanation:
+    """Which kernel :func:`nvfp4_linear` runs for ``m`` rows of x (the
+    product of its leading dimensions), ``n`` outputs and ``k`` inputs (N
+    and K multiples of 16) on ``device``, and why: the form (stream,
+    stream-k, narrow, panel, wide, wgmma, or the weight unpacked + cuBLAS),
+    its shape (warps, K splits, CTAs per SM), the rule of the plan that
+    picked it, and the workspace it takes. ``device``: a CUDA device (by
+    default the current one when CUDA is available) or ``"cpu"``, where one
+    reference path runs every shape. For bfloat16 / float16 x without the
+    FP8 mode (float32 x runs the reference on every device; calls of
+    ``fp8_min_rows`` rows or more run the FP8 GEMM). The plan depends on the
+    GPU (SM count, shared memory, occupancy), so ask on the GPU that runs
+    the model. Raises ValueError for negative sizes or N, K not multiples of
+    16, NotImplementedError on a GPU lowbit has no kernels for."""
+    return _explain_plan(m, n, k, device)
 
 
 def nvfp4_grouped_linear(

@@ -100,3 +100,31 @@ def nvfp4_moe(
 
 
 register_inference_only("nvfp4_moe")
+
+
+def _nvfp4_moe_with_plan(
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w13_global: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    w2_global: Tensor,
+    swiglu_limit: float | None = None,
+    *,
+    plan: str = "",
+) -> Tensor:
+    """:func:`nvfp4_moe` with kernel choices forced for this call, for tests
+    and probes (private). ``plan``: "key=value" items separated by commas,
+    keys ``stream`` (0|1), ``hot`` (0|1), ``stream_warps`` (1|2|4|8)
+    (csrc/lowbit/moe/nvfp4_moe.h, MoePlanOverrides); "" is the shipped plan.
+    A bad item raises ValueError naming its key, on every device; the CPU
+    kernel has one path and leaves the plan unused."""
+    return torch.ops.lowbit._nvfp4_moe_with_plan(
+        x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, plan
+    )
+
+
+register_inference_only("_nvfp4_moe_with_plan")
