@@ -17,18 +17,15 @@ kernel's forms and cuBLAS), hash_router, topk, and nvfp4_moe in every plan
 checked against the CPU op (or, where that is slow, float32 math on the
 dequantized weights); a mismatch makes the exit status 1.
 
-Forms chosen only by environment variables (read once per process) run in
-child processes with the concurrency test's knob sets, on the Linear and
-MoE cases only (compute-sanitizer follows them with --target-processes all);
---no-knobs leaves them out. --list prints the cases; --device cpu runs
-everything on the CPU kernels (a dry run of this script).
+Forms the small shapes do not reach run as the concurrency test's Linear
+and MoE cases under its plan strings (PLAN_SETS, in this process);
+--no-plans leaves those cases out. --list prints the cases; --device cpu
+runs everything on the CPU kernels (a dry run of this script).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,10 +39,12 @@ import torch  # noqa: E402
 import test_concurrency as tc  # noqa: E402
 
 
-def run_cases(device, families, only, skip):
+def run_cases(device, families, only, skip, plans):
     t0 = time.monotonic()
     tc.REFERENCE_DEVICE = "cpu"  # no cuBLAS kernel in the checked process but the cases' own
     cases = tc.build_cases(device, small=True, families=families)
+    if not plans:
+        cases = [c for c in cases if not c.plan]
     if only:
         cases = [c for c in cases if any(s in c.name for s in only)]
     if skip:
@@ -63,9 +62,7 @@ def run_cases(device, families, only, skip):
             failures += problem is not None
             print(f"{'ok  ' if problem is None else 'FAIL'} {case.name}{'' if problem is None else ': ' + problem}",
                   flush=True)
-    print(f"{len(cases)} cases, {failures} failed, {time.monotonic() - t0:.1f} s "
-          f"({' '.join(f'{k}={v}' for k, v in os.environ.items() if k.startswith('LOWBIT_') and k != 'LOWBIT_OPS_LIBRARY') or 'no knobs'})",
-          flush=True)
+    print(f"{len(cases)} cases, {failures} failed, {time.monotonic() - t0:.1f} s", flush=True)
     return failures
 
 
@@ -75,30 +72,20 @@ def main(argv=None):
     p.add_argument("--families", default=None, help="comma-separated: " + ",".join(tc.FAMILIES))
     p.add_argument("--only", action="append", default=[], help="cases whose name contains this (repeatable)")
     p.add_argument("--skip", action="append", default=[], help="leave out cases whose name contains this (repeatable)")
-    p.add_argument("--no-knobs", action="store_true", help="skip the child processes with knob sets")
+    p.add_argument("--no-plans", action="store_true", help="leave out the cases under forcing plan strings")
     p.add_argument("--list", action="store_true")
     a = p.parse_args(argv)
     families = set(a.families.split(",")) if a.families else None
     if a.list:
         for c in tc.build_cases("cpu", small=True, families=families):
+            if c.plan and a.no_plans:
+                continue
             print(f"{c.op:<22} {c.name}")
         return 0
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("sanitize_ops.py: no CUDA device", file=sys.stderr)
         return 2
-    failed = run_cases(a.device, families, a.only, a.skip) > 0
-    if not a.no_knobs:
-        knob_families = {"linear", "moe"} & (families or {"linear", "moe"})
-        for knobs in tc.KNOB_SETS:
-            if not knobs or not knob_families:
-                continue
-            env = {k: v for k, v in os.environ.items() if not k.startswith("LOWBIT_") or k == "LOWBIT_OPS_LIBRARY"}
-            env.update(knobs)
-            cmd = [sys.executable, __file__, "--device", a.device, "--no-knobs", "--families", ",".join(sorted(knob_families))]
-            cmd += [f"--only={s}" for s in a.only] + [f"--skip={s}" for s in a.skip]
-            rc = subprocess.run(cmd, env=env).returncode
-            failed |= rc != 0
-    return 1 if failed else 0
+    return 1 if run_cases(a.device, families, a.only, a.skip, not a.no_plans) > 0 else 0
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ dispatch thresholds, N, K, experts, rows per expert), and most cases here
 are chosen to land on one form each on a 132-SM H100 (`form` in each case
 name; csrc/lowbit/linear/sm90_linear_plan.cu linear_plan, nvfp4_moe.cu plan,
 routing.cu route_typed, routing_ops_cuda.cpp dense_router_cuda). A few
-forms only appear on shapes too large for a test, or are chosen by
-environment variables that the library reads once per process (a
-function-local static): those run in processes started with the variables
-set (KNOB_SETS), each set in two of the processes.
+forms only appear on shapes too large for a test: the Linear and MoE cases
+run again under plan strings that force them (PLAN_SETS, through
+lowbit::_nvfp4_linear_with_plan and lowbit::_nvfp4_moe_with_plan), in every
+process beside the shipped plan's cases.
 
 The same cases, at smaller sizes, are what scripts/sanitize_ops.py runs
 under compute-sanitizer (build_cases(..., small=True)).
@@ -52,37 +52,33 @@ import torch
 import torch.nn.functional as F
 
 import lowbit
+from lowbit.linear import _nvfp4_linear_with_plan
+from lowbit.moe import _nvfp4_moe_with_plan
 
 pytestmark = [pytest.mark.cuda, pytest.mark.concurrency]
 
 PROCS = int(os.environ.get("LOWBIT_CONCURRENCY_PROCS", "6"))
 SECONDS = float(os.environ.get("LOWBIT_CONCURRENCY_SECONDS", "20"))
 
-# Environment variables that choose kernel forms the shapes below do not
-# reach (read once per process: csrc/lowbit/linear/sm90_linear_plan.cu,
-# csrc/lowbit/moe/nvfp4_moe.cu). The first set is the library's own choice.
-KNOB_SETS = [
-    {},
+# Plan strings that choose kernel forms the shapes below do not reach
+# (csrc/lowbit/linear/sm90_linear_plan.h, "Overrides"; csrc/lowbit/moe/
+# nvfp4_moe.h, MoePlanOverrides); the cases of the shipped plan run too.
+PLAN_SETS = [
     {
         # Linear: the stream-K kernel at M <= 8 wherever it can run; the wide
         # kernel always on wgmma (its MT 2 and 4 forms at 9..32 rows); wgmma
         # CTAs in pairs wherever tiles are 256 tokens and K is unsplit.
-        "LOWBIT_STREAM_K": "1",
-        "LOWBIT_LINEAR_WIDE_WGMMA": "1",
-        "LOWBIT_WGMMA_PAIR": "1",
+        "linear": "stream_k=1,wide_wgmma=1,wgmma_pair=1",
         # MoE: one token on the register-staged narrow kernels.
-        "LOWBIT_MOE_STREAM": "0",
+        "moe": "stream=0",
     },
     {
         # Linear: two W tiles per warp at 5..16 rows wherever the stream
         # kernel can run, rings of 3 slots; the wide kernel on mma.sync
         # only; wgmma CTAs never paired.
-        "LOWBIT_STREAM_TILES": "2",
-        "LOWBIT_STREAM_STAGES": "3",
-        "LOWBIT_LINEAR_WIDE_WGMMA": "0",
-        "LOWBIT_WGMMA_PAIR": "0",
+        "linear": "stream_tiles=2,stream_stages=3,wide_wgmma=0,wgmma_pair=0",
         # MoE: hot experts left in the narrow list (no mixed kernels).
-        "LOWBIT_MOE_HOT": "0",
+        "moe": "hot=0",
     },
 ]
 
@@ -130,7 +126,7 @@ class Case:
     name: str  # op, intended kernel form and shape
     run: Callable[[], tuple]  # the device call(s): a tuple of tensors
     check: Callable[[tuple], str | None]  # first result -> None, or what is wrong
-    knobs: tuple = ()  # environment variables that change this case's form (informative)
+    plan: str = ""  # the plan string the case runs under ("": the shipped plan)
 
 
 @dataclass
@@ -148,8 +144,8 @@ class Builder:
     def randn(self, *shape, gen, dtype=torch.float32, std=1.0):
         return (torch.randn(*shape, generator=gen, device=self.device) * std).to(dtype)
 
-    def add(self, op, name, run, check, knobs=()):
-        self.cases.append(Case(op, name, run, check, tuple(knobs)))
+    def add(self, op, name, run, check, plan=""):
+        self.cases.append(Case(op, name, run, check, plan))
 
 
 def hash_str(s: str) -> int:
@@ -256,7 +252,7 @@ def _linear_check(w: LinearWeight, x, bias, fp8_min_rows, tol):
 
 
 # (n, k, [(m, form, dtype)]): forms per linear_plan on a 132-SM H100 with
-# no knobs set (see the comments of test_linear_kernels_cuda.py).
+# the shipped plan (see the comments of test_linear_kernels_cuda.py).
 LINEAR_SHAPES = [
     (22400, 1168, [(1, "stream, 1 warp/tile, capped CTAs/SM", torch.bfloat16),
                    (5, "stream 5..8 rows", torch.float16),
@@ -310,10 +306,17 @@ def add_linear_cases(b: Builder):
             g = b.gen("linear x", n, k, m, str(dtype))
             x = b.randn(m, k, gen=g, dtype=dtype)
             bias = b.randn(n, gen=g, dtype=dtype) if m % 2 else None
-            b.add("nvfp4_linear", f"nvfp4_linear [{form}] M={m} {n}x{k} {str(dtype)[6:]}{' +bias' if m % 2 else ''}",
-                  lambda w=w, x=x, bias=bias: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, bias),),
-                  _linear_check(w, x, bias, 0, LINEAR_TOL),
-                  knobs=("LOWBIT_STREAM_K", "LOWBIT_STREAM_TILES", "LOWBIT_LINEAR_WIDE_WGMMA", "LOWBIT_WGMMA_PAIR"))
+            shape = f"M={m} {n}x{k} {str(dtype)[6:]}{' +bias' if m % 2 else ''}"
+            check = _linear_check(w, x, bias, 0, LINEAR_TOL)
+            b.add("nvfp4_linear", f"nvfp4_linear [{form}] {shape}",
+                  lambda w=w, x=x, bias=bias: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, bias),), check)
+            if m > 2048:  # unpack + cuBLAS, whatever the plan strings
+                continue
+            for plans in PLAN_SETS:
+                plan = plans["linear"]
+                b.add("nvfp4_linear", f"nvfp4_linear [plan {plan}] {shape}",
+                      lambda w=w, x=x, bias=bias, plan=plan:
+                      (_nvfp4_linear_with_plan(x, w.pw, w.ps, w.g, bias, plan=plan),), check, plan)
     # The FP8 mode (cuBLASLt FP8 after lowbit's row-rounding kernels): its
     # extra error is ~4e-2 (linear_reference.py FP8_MODE_TOL 6e-2).
     n, k = (256, 512) if b.small else (4096, 1024)
@@ -557,13 +560,19 @@ def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
         err = rel_err(y, want)
         return None if err <= MOE_TOL else f"rel err {err:.2e} vs the {what}"
 
+    # The plan strings that change this case's kernels: stream only for one
+    # token (nvfp4_moe.cu launch_narrow), hot only where a hot list runs.
+    plan_strings = [""] + [p["moe"] for p in PLAN_SETS if ("stream=" in p["moe"] and M == 1) or
+                           ("hot=" in p["moe"] and hot)]
     for mode, router in routers.items():
-        def run(router=router):
-            w, ids = router()
-            return w, ids, lowbit.nvfp4_moe(x, w, ids, *exp.args, limit)
+        for plan_string in plan_strings:
+            def run(router=router, plan_string=plan_string):
+                w, ids = router()
+                return w, ids, _nvfp4_moe_with_plan(x, w, ids, *exp.args, limit, plan=plan_string)
 
-        b.add("nvfp4_moe", f"nvfp4_moe [{plan}] {mode} routing M={M} H={H} I={I} E={E} k={k}"
-              f"{' limit' if limit else ''}", run, check, knobs=("LOWBIT_MOE_STREAM", "LOWBIT_MOE_HOT"))
+            label = f"{plan}, plan {plan_string}" if plan_string else plan
+            b.add("nvfp4_moe", f"nvfp4_moe [{label}] {mode} routing M={M} H={H} I={I} E={E} k={k}"
+                  f"{' limit' if limit else ''}", run, check, plan_string)
 
 
 FAMILIES = {"quant": add_quant_cases, "linear": add_linear_cases, "grouped": add_grouped_linear_cases,
@@ -682,43 +691,42 @@ def summarize(reports: list[dict]) -> tuple[list[str], list[str]]:
     return lines, failures
 
 
-def _child_env(knobs):
+def _child_env():
     import lowbit as lb
 
     path = os.pathsep.join([os.path.dirname(os.path.dirname(lb.__file__)), os.environ.get("PYTHONPATH", "")])
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOWBIT_") or k in (
         "LOWBIT_OPS_LIBRARY", "LOWBIT_CONCURRENCY_SECONDS")}
-    env.update(PYTHONPATH=path, OMP_NUM_THREADS="2", **knobs)
+    env.update(PYTHONPATH=path, OMP_NUM_THREADS="2")
     return env
 
 
 def test_cuda_every_op_from_several_processes_at_once(tmp_path):
     procs = []
     for i in range(PROCS):
-        knobs = KNOB_SETS[i % len(KNOB_SETS)]
         cmd = [sys.executable, __file__, "--device", "cuda", "--seconds", str(SECONDS), "--out",
                str(tmp_path / f"report{i}.json"), "--ready", str(tmp_path / f"ready{i}"), "--go",
                str(tmp_path / "go"), "--seed", str(i)]
         log = open(tmp_path / f"log{i}.txt", "w")
-        procs.append((subprocess.Popen(cmd, env=_child_env(knobs), stdout=log, stderr=subprocess.STDOUT), log, knobs))
+        procs.append((subprocess.Popen(cmd, env=_child_env(), stdout=log, stderr=subprocess.STDOUT), log))
     start = time.monotonic()
     try:
         # Every process ready (or gone) before any starts its loop: the loops overlap.
         while time.monotonic() - start < 300:
-            if all((tmp_path / f"ready{i}").exists() or p.poll() is not None for i, (p, _, _) in enumerate(procs)):
+            if all((tmp_path / f"ready{i}").exists() or p.poll() is not None for i, (p, _) in enumerate(procs)):
                 break
             time.sleep(0.1)
         (tmp_path / "go").touch()
-        for p, log, _ in procs:
+        for p, _ in procs:
             p.wait(timeout=max(60, 300 - (time.monotonic() - start)) + SECONDS)
     finally:
-        for p, log, _ in procs:
+        for p, log in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
             log.close()
     reports = []
-    for i, (p, _, knobs) in enumerate(procs):
+    for i, (p, _) in enumerate(procs):
         path = tmp_path / f"report{i}.json"
         if path.exists():
             reports.append(json.loads(path.read_text()))
@@ -729,7 +737,7 @@ def test_cuda_every_op_from_several_processes_at_once(tmp_path):
     iters = [r.get("iterations", 0) for r in reports]
     setup = [r.get("setup_s", 0) for r in reports]
     head = (f"{PROCS} processes, loops of {SECONDS:g} s, iterations per process {iters}, setup seconds {setup}; "
-            f"knob sets: " + "; ".join(" ".join(f"{k}={v}" for k, v in s.items()) or "(none)" for s in KNOB_SETS))
+            "plan sets beside the shipped plan: " + "; ".join(" ".join(f"{k} {v}" for k, v in s.items()) for s in PLAN_SETS))
     text = "\n".join([head, *lines, *(["failures:", *failures[:60]] if failures else ["no failures"])])
     print(text)
     if os.environ.get("LOWBIT_CONCURRENCY_REPORT"):

@@ -1,17 +1,14 @@
 """The CUDA forms of lowbit.nvfp4_linear (narrow, stream, stream-K, wide,
-panel, wgmma, unpack + cuBLAS) at their edges, forced through the kernel
-knobs where the plan would not pick them, and in CUDA graphs (tolerances:
-linear_reference.py)."""
-
-import os
-import subprocess
-import sys
+panel, wgmma, unpack + cuBLAS) at their edges, forced through a plan string
+(lowbit::_nvfp4_linear_with_plan) where the plan would not pick them, and in
+CUDA graphs (tolerances: linear_reference.py)."""
 
 import pytest
 import torch
 
 import lowbit
 from linear_reference import REL_TOL, Stack, make_weight, reference, rel_err
+from lowbit.linear import _explain_plan, _nvfp4_linear_with_plan
 
 
 cuda = pytest.mark.cuda
@@ -257,62 +254,50 @@ def _small_m_cases(gen, shapes, ms):
     return cases, wants
 
 
-def _outputs_in_fresh_process(script, tmp_path, run, **knobs):
-    """The outputs `script` saves for tmp_path/cases.pt, run in a new process
-    with the kernel knobs (environment variables) set."""
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(lowbit.__file__)), os.environ.get("PYTHONPATH", "")])
-    out_file = tmp_path / f"out{run}.pt"
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(out_file)],
-                   env=dict(os.environ, PYTHONPATH=path, **knobs), check=True)
-    return torch.load(out_file)
+def _cuda(t):
+    return None if t is None else t.cuda()
 
 
-# Run in a fresh process: the kernel knobs are read once per process. Each
-# case runs twice (the second output checks determinism).
-_STREAM_OUTPUTS = """
-import sys, torch, lowbit
-cases = torch.load(sys.argv[1])
-outs = [[lowbit.nvfp4_linear(x.cuda(), pw.cuda(), ps.cuda(), g.cuda(), None if b is None else b.cuda()).cpu()
-         for _ in range(2)] for x, pw, ps, g, b in cases]
-torch.save(outs, sys.argv[2])
-"""
-
-
-def _check_stream_runs(tmp_path, seed, shapes, ms, knob_sets):
-    """Every case of _small_m_cases(shapes, ms) in one fresh process per knob
-    set: each output against the reference, repeatable, and bit for bit the
-    first knob set's (the later sets must change no product nor the order
-    of the sums)."""
+def _check_stream_runs(seed, shapes, ms, plans):
+    """Every case of _small_m_cases(shapes, ms) under each (plan string,
+    expect) of `plans`: the plan runs the stream kernel with `expect` in its
+    description (explain_plan), and each output matches the reference, is
+    the same on a second call, and bit for bit the first plan's (the later
+    plans must change no product nor the order of the sums)."""
     gen = torch.Generator().manual_seed(seed)
     cases, wants = _small_m_cases(gen, shapes, ms)
-    torch.save(cases, tmp_path / "cases.pt")
     first = None
-    for i, knobs in enumerate(knob_sets):
-        runs = _outputs_in_fresh_process(_STREAM_OUTPUTS, tmp_path, i, **knobs)
+    for plan, expect in plans:
+        runs = []
+        for x, pw, ps, g, b in cases:
+            told = _explain_plan(x.shape[0], pw.shape[0], x.shape[1], "cuda", plan)
+            assert told.form == "stream" and expect in told.kernel, (plan, x.shape, pw.shape, told.kernel)
+            args = [_cuda(t) for t in (x, pw, ps, g, b)]
+            runs.append([_nvfp4_linear_with_plan(*args, plan=plan).cpu() for _ in range(2)])
         first = runs if first is None else first
         for (x, pw, *_), want, (y, again), (y_first, _) in zip(cases, wants, runs, first):
-            assert rel_err(y, want) <= REL_TOL, (knobs, x.shape, pw.shape, x.dtype)
-            assert torch.equal(y, again), (knobs, x.shape, pw.shape, x.dtype)
-            assert torch.equal(y, y_first), (knobs, x.shape, pw.shape, x.dtype)
+            assert rel_err(y, want) <= REL_TOL, (plan, x.shape, pw.shape, x.dtype)
+            assert torch.equal(y, again), (plan, x.shape, pw.shape, x.dtype)
+            assert torch.equal(y, y_first), (plan, x.shape, pw.shape, x.dtype)
 
 
 @cuda
-def test_cuda_stream_kernel_every_row_pair_build(tmp_path):
+def test_cuda_stream_kernel_every_row_pair_build():
     # The stream kernel is built for 1, 2 and 4 pairs of x rows (M <= 2,
     # <= 4, <= 8; Linear v17). The stream path is forced, so every build
     # runs with every warps-per-tile count (1, 2, 4 or 8, from the tile
     # counts), K split through partials (few tiles), a partial last k-tile
     # and odd M (the last pair's second row, past M, is copied from a valid
     # row and never read: Linear v20), in bf16 and fp16. Then again with a
-    # forced cap (3 CTAs per SM, the probes' knob).
+    # forced cap (3 CTAs per SM).
     shapes = [(48, 400), (1024, 2176), (16 * 2048, 1168), (16 * 1152, 1168), (4096, 7168)]
-    stream = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "1"}
-    _check_stream_runs(tmp_path, 21, shapes, (1, 2, 3, 4, 5, 7, 8),
-                       [stream, dict(stream, LOWBIT_STREAM_CTAS_PER_SM="3")])
+    stream = "path=stream,stream_tiles=1"
+    _check_stream_runs(21, shapes, (1, 2, 3, 4, 5, 7, 8),
+                       [(stream, "1 W tile per warp"), (stream + ",stream_ctas_per_sm=3", "1 W tile per warp")])
 
 
 @cuda
-def test_cuda_stream_kernel_two_tiles_per_warp(tmp_path):
+def test_cuda_stream_kernel_two_tiles_per_warp():
     # The stream kernel with two W tiles per warp (Linear v23), forced at
     # 5..16 rows: its 4-pair (M <= 8) and 8-pair builds (two m-tiles of x),
     # odd tile counts (the last warp's second tile a stand-in that is read
@@ -320,13 +305,13 @@ def test_cuda_stream_kernel_two_tiles_per_warp(tmp_path):
     # tile pair (1354 pairs), a partial last k-tile, odd M with a bias, bf16
     # and fp16. Then again capped at one CTA per SM.
     shapes = [(48, 400), (1040, 2176), (16 * 2707, 400), (16 * 1152, 1168), (4096, 7168)]
-    pairs = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "2"}
-    _check_stream_runs(tmp_path, 23, shapes, (5, 7, 8, 9, 12, 13, 16),
-                       [pairs, dict(pairs, LOWBIT_STREAM_CTAS_PER_SM="1")])
+    pairs = "path=stream,stream_tiles=2"
+    _check_stream_runs(23, shapes, (5, 7, 8, 9, 12, 13, 16),
+                       [(pairs, "2 W tiles per warp"), (pairs + ",stream_ctas_per_sm=1", "at most 1 CTA per SM")])
 
 
 @cuda
-def test_cuda_stream_kernel_eight_warp_pairs(tmp_path):
+def test_cuda_stream_kernel_eight_warp_pairs():
     # Two W tiles per warp in 8-warp CTAs over the whole K (the plan's at
     # 9..16 rows on some shapes, Linear v27), forced on every shape: warps
     # with no k-tile (K = 400: 4 k-tiles), runs of 1-7 k-tiles, several
@@ -334,70 +319,63 @@ def test_cuda_stream_kernel_eight_warp_pairs(tmp_path):
     # a bias, bf16 and fp16. Then capped at one CTA per SM (no sum changes:
     # bit for bit the same).
     shapes = [(48, 400), (1040, 2176), (16 * 2707, 400), (16 * 1152, 1168), (4096, 7168)]
-    eights = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": "2", "LOWBIT_STREAM_WARPS": "8",
-              "LOWBIT_STREAM_SPLITS": "1"}
-    _check_stream_runs(tmp_path, 27, shapes, (9, 12, 13, 16),
-                       [eights, dict(eights, LOWBIT_STREAM_CTAS_PER_SM="1")])
+    eights = "path=stream,stream_tiles=2,stream_warps=8,stream_splits=1"
+    _check_stream_runs(27, shapes, (9, 12, 13, 16),
+                       [(eights, "2 W tiles per warp"), (eights + ",stream_ctas_per_sm=1", "at most 1 CTA per SM")])
 
 
 @cuda
-def test_cuda_stream_kernel_ring_slots(tmp_path):
+def test_cuda_stream_kernel_ring_slots():
     # The stream kernel's rings of 2 and 3 slots (Linear v25; the plan takes
     # 2 for short runs), each forced on every row-pair build and on two tiles
     # per warp: runs of 1-4 k-tiles (K = 400, split K), long runs (4096 x
     # 7168), a partial last k-tile, odd M with a bias, bf16 and fp16. The
     # slots change no product nor the order of the sums: bit for bit equal.
     shapes = [(48, 400), (1040, 2176), (16 * 1152, 1168), (4096, 7168)]
-    for tiles, ms in (("1", (1, 3, 4, 8)), ("2", (5, 9, 16))):
-        stream = {"LOWBIT_LINEAR_PATH": "stream", "LOWBIT_STREAM_TILES": tiles}
-        _check_stream_runs(tmp_path, 31, shapes, ms,
-                           [dict(stream, LOWBIT_STREAM_STAGES="3"), dict(stream, LOWBIT_STREAM_STAGES="2")])
+    for tiles, ms in ((1, (1, 3, 4, 8)), (2, (5, 9, 16))):
+        stream = f"path=stream,stream_tiles={tiles}"
+        _check_stream_runs(31, shapes, ms, [(stream + ",stream_stages=3", "rings of 3 slots"),
+                                            (stream + ",stream_stages=2", "rings of 2 slots")])
 
 
-# Each case eagerly twice, then captured in a CUDA graph and replayed three
-# times (the stream-K kernel's flags must be back at zero after every
-# launch, whatever launch id the replay carries).
-_GRAPH_OUTPUTS = """
-import sys, torch, lowbit
-cases = torch.load(sys.argv[1])
-outs = []
-for x, pw, ps, g, b in cases:
-    args = [t if t is None else t.cuda() for t in (x, pw, ps, g, b)]
-    eager = [lowbit.nvfp4_linear(*args).cpu() for _ in range(2)]
+def _graph_outputs(args, plan):
+    """The Linear of `args` under `plan` eagerly twice, then captured in a
+    CUDA graph and replayed three times (no stream-K flag may carry over
+    from one launch or replay to the next)."""
+    eager = [_nvfp4_linear_with_plan(*args, plan=plan).cpu() for _ in range(2)]
     graph = torch.cuda.CUDAGraph()
-    lowbit.nvfp4_linear(*args)  # warm-up outside the capture
+    _nvfp4_linear_with_plan(*args, plan=plan)  # warm-up outside the capture
     with torch.cuda.graph(graph):
-        y = lowbit.nvfp4_linear(*args)
+        y = _nvfp4_linear_with_plan(*args, plan=plan)
     replays = []
     for _ in range(3):
         y.zero_()
         graph.replay()
         replays.append(y.cpu())
-    outs.append(eager + replays)
-torch.save(outs, sys.argv[2])
-"""
+    return eager + replays
 
 
 @cuda
-def test_cuda_stream_k_kernel(tmp_path):
-    # The stream-K kernel (LOWBIT_STREAM_K=1 forces it wherever it can run:
-    # M <= 8 and warps per tile <= k-tiles) cuts the (tile, k-tile) units
-    # into one run per CTA. Shapes where a run holds several whole tiles and
-    # pieces (4096 x 7168), where runs are shorter than a tile so a tile has
-    # many pieces (N = 48, K = 7168: 168 units on as many CTAs, one unit
-    # each), a partial last k-tile (K = 1168), odd M, bias, bf16 and fp16;
-    # then with one CTA per SM (longer runs, other cuts). Every output
-    # matches the reference, is the same on a second call, and the same in
-    # three CUDA graph replays (deterministic: pieces added in k order).
+def test_cuda_stream_k_kernel():
+    # The stream-K kernel (stream_k=1 forces it wherever it can run: M <= 8
+    # and warps per tile <= k-tiles) cuts the (tile, k-tile) units into one
+    # run per CTA. Shapes where a run holds several whole tiles and pieces
+    # (4096 x 7168), where runs are shorter than a tile so a tile has many
+    # pieces (N = 48, K = 7168: 168 units on as many CTAs, one unit each), a
+    # partial last k-tile (K = 1168), odd M, bias, bf16 and fp16; then with
+    # one CTA per SM (longer runs, other cuts). Every output matches the
+    # reference, is the same on a second call, and the same in three CUDA
+    # graph replays (deterministic: pieces added in k order).
     gen = torch.Generator().manual_seed(23)
     cases, wants = _small_m_cases(gen, [(48, 7168), (16 * 1152, 1168), (4096, 7168), (7168, 2048)], (1, 3, 4, 5, 8))
-    torch.save(cases, tmp_path / "cases.pt")
-    for i, extra in enumerate([{}, {"LOWBIT_STREAM_CTAS_PER_SM": "1"}]):
-        runs = _outputs_in_fresh_process(_GRAPH_OUTPUTS, tmp_path, i, LOWBIT_STREAM_K="1", **extra)
-        for (x, pw, *_), want, outs in zip(cases, wants, runs):
-            assert rel_err(outs[0], want) <= REL_TOL, (extra, x.shape, pw.shape, x.dtype)
+    for plan in ("stream_k=1", "stream_k=1,stream_ctas_per_sm=1"):
+        for (x, pw, ps, g, b), want in zip(cases, wants):
+            told = _explain_plan(x.shape[0], pw.shape[0], x.shape[1], "cuda", plan)
+            assert told.form == "stream-k", (plan, x.shape, pw.shape, told.kernel)
+            outs = _graph_outputs([_cuda(t) for t in (x, pw, ps, g, b)], plan)
+            assert rel_err(outs[0], want) <= REL_TOL, (plan, x.shape, pw.shape, x.dtype)
             for y in outs[1:]:
-                assert torch.equal(y, outs[0]), (extra, x.shape, pw.shape, x.dtype)
+                assert torch.equal(y, outs[0]), (plan, x.shape, pw.shape, x.dtype)
 
 
 @cuda
