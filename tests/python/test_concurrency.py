@@ -539,9 +539,15 @@ def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
         scores[:, 0] = 2.0  # every token's first pick
     table = scores.topk(k, dim=1).indices.int()
     tids = torch.randint(0, V, (M,), generator=g, device=b.device)
-    logits = (x.float() @ gate.float().T).contiguous()
+    # The hash router's gate logits, made where the references run: under
+    # sanitize_ops.py no cuBLAS kernel runs in the checked process but those
+    # of the cases named "cuBLAS".
+    logits = (_ref(x).float() @ _ref(gate).float().T).to(b.device).contiguous()
     limit = 0.5 if M % 2 == 0 else None  # clamps a share of gate / up (|gate_up| ~ 0.02 sqrt(H): 0.24-1.8)
     ng, tg = GROUPS[E]
+    # dense_router's own gate kernel (routing.h dense_gate_supported), else
+    # cuBLAS: named in the case, which racecheck and initcheck leave out.
+    own_gate = M <= 64 and E % 16 == 0 and H % 64 == 0 and E <= 512 and k <= 32
     routers = {
         "dense": lambda: lowbit.dense_router(x, gate, bias, k, "sqrtsoftplus", 1, 1, True, 1.5),
         "grouped": lambda: lowbit.dense_router(x, gate, bias, k, "sigmoid", ng, tg, True, 2.5),
@@ -571,7 +577,8 @@ def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
                 return w, ids, _nvfp4_moe_with_plan(x, w, ids, *exp.args, limit, plan=plan_string)
 
             label = f"{plan}, plan {plan_string}" if plan_string else plan
-            b.add("nvfp4_moe", f"nvfp4_moe [{label}] {mode} routing M={M} H={H} I={I} E={E} k={k}"
+            gate_form = " (cuBLAS gate)" if mode != "hash" and not own_gate else ""
+            b.add("nvfp4_moe", f"nvfp4_moe [{label}] {mode} routing{gate_form} M={M} H={H} I={I} E={E} k={k}"
                   f"{' limit' if limit else ''}", run, check, plan_string)
 
 
