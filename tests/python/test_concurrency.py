@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import lowbit
-from lowbit.linear import _nvfp4_linear_with_plan
+from lowbit.linear import _explain_plan, _nvfp4_linear_with_plan
 from lowbit.moe import _nvfp4_moe_with_plan
 
 pytestmark = [pytest.mark.cuda, pytest.mark.concurrency]
@@ -299,6 +300,15 @@ LINEAR_SHAPES_SMALL = [
 ]
 
 
+def linear_case_label(m: int, n: int, k: int, intended: str, device, plan: str = "") -> str:
+    """A Linear case's label: on the GPU the kernel its plan runs (explain_plan,
+    without the source file); elsewhere the form its shape was chosen to reach."""
+    if not str(device).startswith("cuda"):
+        return f"plan {plan}" if plan else intended
+    kernel = re.sub(r" \([\w.]+\.cu\)", "", _explain_plan(m, n, k, device, plan).kernel)
+    return f"plan {plan}: {kernel}" if plan else kernel
+
+
 def add_linear_cases(b: Builder):
     for n, k, runs in LINEAR_SHAPES_SMALL if b.small else LINEAR_SHAPES:
         w = LinearWeight(b, n, k)
@@ -308,13 +318,13 @@ def add_linear_cases(b: Builder):
             bias = b.randn(n, gen=g, dtype=dtype) if m % 2 else None
             shape = f"M={m} {n}x{k} {str(dtype)[6:]}{' +bias' if m % 2 else ''}"
             check = _linear_check(w, x, bias, 0, LINEAR_TOL)
-            b.add("nvfp4_linear", f"nvfp4_linear [{form}] {shape}",
+            b.add("nvfp4_linear", f"nvfp4_linear [{linear_case_label(m, n, k, form, b.device)}] {shape}",
                   lambda w=w, x=x, bias=bias: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, bias),), check)
             if m > 2048:  # unpack + cuBLAS, whatever the plan strings
                 continue
             for plans in PLAN_SETS:
                 plan = plans["linear"]
-                b.add("nvfp4_linear", f"nvfp4_linear [plan {plan}] {shape}",
+                b.add("nvfp4_linear", f"nvfp4_linear [{linear_case_label(m, n, k, form, b.device, plan)}] {shape}",
                       lambda w=w, x=x, bias=bias, plan=plan:
                       (_nvfp4_linear_with_plan(x, w.pw, w.ps, w.g, bias, plan=plan),), check, plan)
     # The FP8 mode (cuBLASLt FP8 after lowbit's row-rounding kernels): its
@@ -706,6 +716,24 @@ def _child_env():
         "LOWBIT_OPS_LIBRARY", "LOWBIT_CONCURRENCY_SECONDS")}
     env.update(PYTHONPATH=path, OMP_NUM_THREADS="2")
     return env
+
+
+# Every form of the Linear's dispatch (the forms explain_plan names).
+LINEAR_FORMS = {"stream", "stream-k", "narrow", "panel", "wide", "wgmma", "unpack"}
+
+
+@pytest.mark.parametrize("shapes", ["full", "small"])
+def test_cuda_linear_cases_reach_every_form(shapes):
+    """The Linear cases, with the plan sets, run every kernel form on this GPU
+    (the sanitizers run the small ones): a retuned plan that moves a shape off
+    its form shows here, not as a form no case checks."""
+    forms = set()
+    for n, k, runs in LINEAR_SHAPES if shapes == "full" else LINEAR_SHAPES_SMALL:
+        for m, _, _ in runs:
+            forms.add(_explain_plan(m, n, k, "cuda").form)
+            if m <= 2048:
+                forms.update(_explain_plan(m, n, k, "cuda", p["linear"]).form for p in PLAN_SETS)
+    assert forms >= LINEAR_FORMS, f"no case reaches {sorted(LINEAR_FORMS - forms)}"
 
 
 def test_cuda_every_op_from_several_processes_at_once(tmp_path):
