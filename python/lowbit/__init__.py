@@ -16,6 +16,7 @@ from .linear import (  # noqa: E402
 )
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
+from .fp8_training import convert_to_fp8_training, fp8_training_plan, fp8_wins  # noqa: E402
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
@@ -24,8 +25,11 @@ __all__ = [
     "Nvfp4MoePrepacked",
     "Nvfp4Tensor",
     "build_info",
+    "convert_to_fp8_training",
     "dense_router",
     "explain_plan",
+    "fp8_training_plan",
+    "fp8_wins",
     "hash_router",
     "has_cuda_kernels",
     "load_checkpoint_",

@@ -1,0 +1,199 @@
+"""``convert_to_fp8_training``: a model's ``nn.Linear`` layers swapped in
+place for :class:`lowbit.nn.Fp8Linear` (sharing their parameters), and the
+shape policy that decides which layers FP8 can speed up.
+
+The shape policy (``fp8_wins``). An FP8 layer pays for casting x, W and the
+output gradient to FP8 (memory-bound passes over BF16 data) and wins only
+when its three GEMMs are long enough for the faster FP8 tensor cores to
+repay that. The casts cost O(M K + N K + M N) bytes, the GEMMs O(M N K)
+FLOPs, so the win grows with the smallest of M, N and K. The rule:
+
+- K and N multiples of 16 (what Hopper's FP8 GEMMs take; always required,
+  even with ``policy="all"``);
+- min(K, N) >= FP8_MIN_FEATURES;
+- when the caller gives the tokens per step (``tokens_hint``, M), also
+  M >= FP8_MIN_TOKENS.
+
+UNFINISHED: both thresholds are conservative placeholders, not yet
+measured. They are to be set from the crossover that
+``python -m lowbit.bench fp8_train`` measures on an H100 (the smallest
+shapes at which every recipe beats BF16), and docs/fp8-training.md will
+then quote that table.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from ._progress import progress_bar
+
+# To be measured (see the module docstring): placeholders until the
+# fp8_train benchmark has run on an H100.
+FP8_MIN_FEATURES = 2048
+FP8_MIN_TOKENS = 2048
+# Hopper's FP8 GEMMs take K and N in multiples of 16.
+FP8_ALIGNMENT = 16
+
+POLICIES = ("auto", "all")
+
+_log = logging.getLogger("lowbit.fp8_training")
+
+
+def _unaligned(in_features: int, out_features: int) -> str | None:
+    if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
+        return f"features {in_features} -> {out_features} not multiples of {FP8_ALIGNMENT}"
+    return None
+
+
+def fp8_skip_reason(in_features: int, out_features: int, tokens_hint: int | None = None) -> str | None:
+    """Why the shape policy keeps a layer of this shape in high precision,
+    or None when FP8 is expected to win (see the module docstring)."""
+    unaligned = _unaligned(in_features, out_features)
+    if unaligned:
+        return unaligned
+    if min(in_features, out_features) < FP8_MIN_FEATURES:
+        return f"min(in, out) = {min(in_features, out_features)} < {FP8_MIN_FEATURES}"
+    if tokens_hint is not None and tokens_hint < FP8_MIN_TOKENS:
+        return f"tokens_hint {tokens_hint} < {FP8_MIN_TOKENS}"
+    return None
+
+
+def fp8_wins(in_features: int, out_features: int, tokens_hint: int | None = None) -> bool:
+    """Whether an FP8 Linear of this shape is expected to be faster than
+    BF16 for a training step of ``tokens_hint`` tokens (unknown: None),
+    forward and backward together. The thresholds are placeholders, not
+    yet measured (module docstring)."""
+    return fp8_skip_reason(in_features, out_features, tokens_hint) is None
+
+
+@dataclass(frozen=True)
+class Fp8LayerChoice:
+    """What :func:`fp8_training_plan` decided for one ``nn.Linear``: its
+    names (several when one module is registered under several), its
+    shape, and ``reason`` why it stays as it is (None: converted)."""
+
+    names: tuple[str, ...]
+    in_features: int
+    out_features: int
+    reason: str | None
+
+    @property
+    def converted(self) -> bool:
+        return self.reason is None
+
+
+def _computes_linear(mod: nn.Module) -> bool:
+    # Subclasses with a forward of their own (Fp8Linear among them) compute
+    # something else, or are converted already.
+    return isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
+
+
+def _check_policy(policy: str, who: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"{who}: policy must be one of {POLICIES}, got {policy!r}")
+
+
+def fp8_training_plan(
+    model: nn.Module,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    policy: str = "auto",
+    tokens_hint: int | None = None,
+) -> list[Fp8LayerChoice]:
+    """What :func:`convert_to_fp8_training` would do to ``model``, changing
+    nothing: one entry per ``nn.Linear`` computing ``x W^T + b`` (other
+    subclasses of ``nn.Linear`` are not listed), in module order."""
+    _check_policy(policy, "fp8_training_plan")
+    names_of: dict[int, list[str]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name:  # not the root: it cannot be replaced in place
+            names_of.setdefault(id(mod), []).append(name)
+    plan = []
+    for name, mod in model.named_modules():
+        if not name or not _computes_linear(mod):
+            continue
+        names = tuple(names_of[id(mod)])
+        reason = None
+        if filter_fn is not None:
+            chosen = [bool(filter_fn(mod, n)) for n in names]
+            if any(chosen) and not all(chosen):
+                yes, no = names[chosen.index(True)], names[chosen.index(False)]
+                raise ValueError(
+                    f"convert_to_fp8_training: filter_fn accepts the module named {yes!r} but not its other name "
+                    f"{no!r}; it is one module, so it is replaced everywhere or nowhere")
+            if not chosen[0]:
+                reason = "filter_fn"
+        if reason is None:
+            if policy == "all":
+                reason = _unaligned(mod.in_features, mod.out_features)
+            else:
+                reason = fp8_skip_reason(mod.in_features, mod.out_features, tokens_hint)
+        plan.append(Fp8LayerChoice(names, mod.in_features, mod.out_features, reason))
+    return plan
+
+
+def format_fp8_plan(plan: list[Fp8LayerChoice]) -> str:
+    """A readable summary of a plan: counts, then one line per layer."""
+    done = sum(c.converted for c in plan)
+    lines = [f"lowbit.convert_to_fp8_training: {done} of {len(plan)} Linear layers to FP8, "
+             f"{len(plan) - done} kept in high precision"]
+    for c in plan:
+        what = "fp8 " if c.converted else "kept"
+        lines.append(f"  {what}  {c.names[0]}  ({c.in_features} -> {c.out_features})"
+                     + ("" if c.converted else f": {c.reason}"))
+    return "\n".join(lines)
+
+
+def convert_to_fp8_training(
+    model: nn.Module,
+    recipe="tensorwise",
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    policy: str = "auto",
+    progress: bool = True,
+    tokens_hint: int | None = None,
+) -> nn.Module:
+    """Replaces, in place, each ``nn.Linear`` of ``model`` (those computing
+    ``x W^T + b``: subclasses with a ``forward`` of their own are left
+    alone) with an :class:`lowbit.nn.Fp8Linear` under ``recipe`` that
+    shares its parameters, so an optimizer built before or after the
+    conversion trains the same tensors.
+
+    A layer is converted when ``filter_fn(module, qualified_name)`` is true
+    (always, without a filter) and the ``policy`` allows it:
+    ``"auto"`` converts only the shapes on which FP8 is expected to beat
+    BF16 (:func:`fp8_wins`, with ``tokens_hint`` the tokens per step when
+    known; the thresholds are placeholders, not yet measured); ``"all"``
+    converts every layer whose features are multiples of 16.
+
+    A module registered under several names is converted once and the
+    replacement put under every name; ``filter_fn`` must give one answer
+    for all of them (ValueError otherwise, before anything is replaced).
+
+    The summary (:func:`format_fp8_plan`: what was converted, what was
+    kept and why) goes to the ``lowbit.fp8_training`` logger at INFO, and to
+    stderr after the progress bar when ``progress`` is true;
+    :func:`fp8_training_plan` gives it as data without converting.
+    ``model`` itself is never replaced (``Fp8Linear.from_linear`` converts
+    a single layer). Returns ``model``."""
+    from .nn.fp8_linear import Fp8Linear, resolve_recipe
+
+    recipe = resolve_recipe(recipe, "convert_to_fp8_training")  # bad arguments leave the model as it was
+    plan = fp8_training_plan(model, filter_fn, policy, tokens_hint)
+    todo = [c for c in plan if c.converted]
+    for i, choice in enumerate(todo):
+        layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe)
+        for name in choice.names:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        if progress:
+            progress_bar("lowbit.convert_to_fp8_training", i + 1, len(todo), choice.names[0])
+    summary = format_fp8_plan(plan)
+    _log.info("%s", summary)
+    if progress:
+        sys.stderr.write(summary + "\n")
+        sys.stderr.flush()
+    return model
