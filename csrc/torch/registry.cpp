@@ -116,4 +116,40 @@ TORCH_LIBRARY(lowbit, m) {
   // kernel choices of this call (csrc/lowbit/moe/nvfp4_moe.h,
   // MoePlanOverrides; checked, then unused on the CPU).
   m.def("_nvfp4_moe_with_plan(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None, str plan=\"\") -> Tensor");
+
+  // FP8 training (fp8_ops.cpp; rules in csrc/lowbit/fp8/fp8_format.h,
+  // recipes in docs/fp8.md). fp8_cast: input [M, K] bf16/fp16/fp32 ->
+  // (data [M, K] float8_e4m3fn or float8_e5m2 (dtype "e4m3" / "e5m2"),
+  // scale, data_t [K, M] (the transposed copy, scaled along its own rows:
+  // [0] unless transpose), scale_t ([0] unless transpose), amax [] float32).
+  // scaling "tensor" (scale []), "row" ([M]; scale_t [K]), "block" (1 x 128
+  // tiles along K: [M, ceil(K/128)]; scale_t [K, ceil(M/128)]) or "block2d"
+  // (128 x 128 tiles: [ceil(M/128), ceil(K/128)]; scale_t its transpose).
+  // `scale` (float32 [], "tensor" only): quantize with it (delayed scaling).
+  // fp8_gemm: y = dequant(a) dequant(b)^T (+ bias [N]), a [M, K], b [N, K]
+  // FP8, FP32 accumulation, out_dtype bfloat16 (default), float16 or
+  // float32; scalings (tensor, tensor), (row, row), (block, block) or
+  // (block, block2d), the scale shapes as fp8_cast's.
+  m.def("fp8_cast(Tensor input, str scaling, str dtype=\"e4m3\", bool transpose=False, Tensor? scale=None, "
+        "bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_gemm(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, str scaling_a=\"tensor\", "
+        "str scaling_b=\"tensor\", Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  // The FP8 Linear, one op per direction (lowbit.fp8_linear connects them
+  // for autograd). recipe "tensorwise", "delayed", "rowwise" or "blockwise";
+  // grad_dtype "e4m3" or "e5m2" (dy). amax_history float32 [3, L] (rows x,
+  // W, dy; column 0 the most recent) for "delayed", read before and updated
+  // after each cast, in place; ignored (e.g. an empty tensor) otherwise.
+  // fp8_linear_forward: x [M, K], weight [N, K] -> (y [M, N] in x's dtype,
+  // x_t [K, M] FP8 and its scales (for the weight gradient; [0] unless
+  // save_x_t), w_t [K, N] FP8 and its scales (for the input gradient; [0]
+  // unless save_w_t)). fp8_linear_backward: dy [M, N] and those -> (dx
+  // [M, K] in dy's dtype, dw [N, K] in weight_dtype, dbias [N] in
+  // bias_dtype), each [0] when not asked for.
+  m.def("fp8_linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) amax_history, str recipe, "
+        "str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, bool pow2_scales=False, "
+        "bool save_x_t=True, bool save_w_t=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_linear_backward(Tensor dy, Tensor x_t, Tensor x_t_scale, Tensor w_t, Tensor w_t_scale, "
+        "Tensor(a!) amax_history, str recipe, str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, "
+        "bool pow2_scales=False, ScalarType weight_dtype=float, ScalarType? bias_dtype=None, bool compute_dx=True, "
+        "bool compute_dw=True) -> (Tensor, Tensor, Tensor)");
 }

@@ -1,0 +1,496 @@
+// Bindings of the FP8 training ops (lowbit::fp8_cast, fp8_gemm,
+// fp8_linear_forward, fp8_linear_backward): validation, output allocation,
+// the GEMM reference, the Linear's forward / backward over a device backend,
+// and the CPU and Meta kernels (CUDA in fp8_ops_cuda.cpp).
+#include "fp8_ops.h"
+
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace lowbit::ops::fp8ops {
+namespace {
+
+constexpr const char* kCast = "fp8_cast";
+constexpr const char* kGemm = "fp8_gemm";
+constexpr const char* kForward = "fp8_linear_forward";
+constexpr const char* kBackward = "fp8_linear_backward";
+constexpr int64_t kHistoryRows = 3;  // x, W, dy
+constexpr int64_t kMaxMargin = 64;
+
+c10::SymInt ceil128(const c10::SymInt& v) { return (v + (fp8::kBlockSize - 1)) / fp8::kBlockSize; }
+
+const char* scaling_name(Scaling s) {
+  switch (s) {
+    case Scaling::kTensor: return "tensor";
+    case Scaling::kRow: return "row";
+    case Scaling::kBlock: return "block";
+    case Scaling::kBlock2d: return "block2d";
+  }
+  return "?";
+}
+
+void check_float_input(const at::Tensor& t, const char* op, const char* arg) {
+  check_dtype(t, op, arg, {at::kBFloat16, at::kHalf, at::kFloat});
+}
+
+}  // namespace
+
+Scaling Recipe::activation() const {
+  switch (kind) {
+    case Kind::kRowwise: return Scaling::kRow;
+    case Kind::kBlockwise: return Scaling::kBlock;
+    default: return Scaling::kTensor;
+  }
+}
+
+Scaling Recipe::weight() const {
+  switch (kind) {
+    case Kind::kRowwise: return Scaling::kRow;
+    case Kind::kBlockwise: return Scaling::kBlock2d;
+    default: return Scaling::kTensor;
+  }
+}
+
+Scaling parse_scaling(c10::string_view s, const char* op, const char* arg, bool allow_block2d) {
+  if (s == "tensor") return Scaling::kTensor;
+  if (s == "row") return Scaling::kRow;
+  if (s == "block") return Scaling::kBlock;
+  if (s == "block2d" && allow_block2d) return Scaling::kBlock2d;
+  TORCH_CHECK_VALUE(false, "lowbit.", op, ": argument '", arg, "' must be \"tensor\", \"row\", \"block\"",
+                    allow_block2d ? " or \"block2d\"" : "", ", got \"", std::string(s), "\"");
+}
+
+Format parse_format(c10::string_view s, const char* op, const char* arg) {
+  if (s == "e4m3") return Format::kE4M3;
+  if (s == "e5m2") return Format::kE5M2;
+  TORCH_CHECK_VALUE(false, "lowbit.", op, ": argument '", arg, "' must be \"e4m3\" or \"e5m2\", got \"",
+                    std::string(s), "\"");
+}
+
+Recipe parse_recipe(c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                    int64_t margin, bool pow2, const char* op) {
+  Recipe r{};
+  if (recipe == "tensorwise") {
+    r.kind = Recipe::Kind::kTensorwise;
+  } else if (recipe == "delayed") {
+    r.kind = Recipe::Kind::kDelayed;
+  } else if (recipe == "rowwise") {
+    r.kind = Recipe::Kind::kRowwise;
+  } else if (recipe == "blockwise") {
+    r.kind = Recipe::Kind::kBlockwise;
+  } else {
+    TORCH_CHECK_VALUE(false, "lowbit.", op,
+                      ": argument 'recipe' must be \"tensorwise\", \"delayed\", \"rowwise\" or \"blockwise\", got \"",
+                      std::string(recipe), "\"");
+  }
+  r.grad_format = parse_format(grad_dtype, op, "grad_dtype");
+  TORCH_CHECK_VALUE(amax_compute == "max" || amax_compute == "most_recent", "lowbit.", op,
+                    ": argument 'amax_compute' must be \"max\" or \"most_recent\", got \"", std::string(amax_compute),
+                    "\"");
+  r.amax_max = amax_compute == "max";
+  TORCH_CHECK_VALUE(margin >= -kMaxMargin && margin <= kMaxMargin, "lowbit.", op, ": argument 'margin' must be in [",
+                    -kMaxMargin, ", ", kMaxMargin, "], got ", margin);
+  r.margin = margin;
+  r.pow2 = pow2;
+  return r;
+}
+
+at::ScalarType fp8_dtype(Format f) { return f == Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
+
+c10::SymDimVector scale_shape(const c10::SymInt& rows, const c10::SymInt& cols, Scaling s) {
+  switch (s) {
+    case Scaling::kTensor: return {};
+    case Scaling::kRow: return {rows};
+    case Scaling::kBlock: return {rows, ceil128(cols)};
+    case Scaling::kBlock2d: return {ceil128(rows), ceil128(cols)};
+  }
+  return {};
+}
+
+// ---- fp8_cast ---------------------------------------------------------------
+
+void check_cast(const at::Tensor& input, Scaling scaling, const c10::optional<at::Tensor>& scale, const char* op) {
+  check_float_input(input, op, "input");
+  check_dims(input, op, "input", {2});
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(scaling == Scaling::kTensor, "lowbit.", op,
+                      ": argument 'scale' may be given only with scaling \"tensor\", got scaling \"",
+                      scaling_name(scaling), "\"");
+    check_dtype(*scale, op, "scale", {at::kFloat});
+    check_same_device(*scale, input, op, "scale", "input");
+    check_shape(*scale, c10::SymDimVector{}, op, "scale");
+  }
+}
+
+CastOut empty_cast_outputs(const at::Tensor& input, Scaling scaling, Format format, bool transpose) {
+  const c10::SymInt& m = input.sym_size(0);
+  const c10::SymInt& k = input.sym_size(1);
+  const auto f32 = input.options().dtype(at::kFloat);
+  const auto q = input.options().dtype(fp8_dtype(format));
+  CastOut o;
+  o.data = at::empty_symint(c10::SymDimVector{m, k}, q);
+  o.scale = at::empty_symint(scale_shape(m, k, scaling), f32);
+  o.data_t = transpose ? at::empty_symint(c10::SymDimVector{k, m}, q) : at::empty({0}, q);
+  o.scale_t = transpose ? at::empty_symint(scale_shape(k, m, scaling), f32) : at::empty({0}, f32);
+  o.amax = at::empty({}, f32);
+  return o;
+}
+
+fp8::CastArgs cast_args(const at::Tensor& input, Scaling scaling, Format format, bool pow2,
+                        const c10::optional<at::Tensor>& scale, CastOut& out) {
+  fp8::CastArgs a{};
+  a.input = input.data_ptr();
+  a.input_dtype = to_lowbit_dtype(input.scalar_type());
+  a.rows = input.size(0);
+  a.cols = input.size(1);
+  a.scaling = scaling;
+  a.format = format;
+  a.pow2 = pow2;
+  a.given_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  a.data = reinterpret_cast<uint8_t*>(out.data.data_ptr());
+  a.scale = out.scale.data_ptr<float>();
+  const bool transpose = out.data_t.dim() == 2;
+  a.data_t = transpose ? reinterpret_cast<uint8_t*>(out.data_t.data_ptr()) : nullptr;
+  a.scale_t = transpose ? out.scale_t.data_ptr<float>() : nullptr;
+  a.amax = out.amax.data_ptr<float>();
+  return a;
+}
+
+// ---- fp8_gemm ---------------------------------------------------------------
+
+void check_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                const GemmNames& n) {
+  const char* op = n.op;
+  check_dtype(a, op, n.a, {at::kFloat8_e4m3fn, at::kFloat8_e5m2});
+  check_dtype(b, op, n.b, {at::kFloat8_e4m3fn, at::kFloat8_e5m2});
+  check_dims(a, op, n.a, {2});
+  check_dims(b, op, n.b, {2});
+  check_same_device(b, a, op, n.b, n.a);
+  TORCH_CHECK_VALUE(a.sym_size(1) == b.sym_size(1), "lowbit.", op, ": arguments '", n.a, "' [M, K] and '", n.b,
+                    "' [N, K] must have the same K, got shapes ", a.sym_sizes(), " and ", b.sym_sizes());
+  const bool pair_ok = (sa == Scaling::kTensor && sb == Scaling::kTensor) ||
+                       (sa == Scaling::kRow && sb == Scaling::kRow) ||
+                       (sa == Scaling::kBlock && (sb == Scaling::kBlock || sb == Scaling::kBlock2d));
+  TORCH_CHECK_VALUE(pair_ok, "lowbit.", op, ": scalings (\"", scaling_name(sa), "\", \"", scaling_name(sb),
+                    "\") of '", n.a, "' and '", n.b,
+                    "' are not a supported pair: (tensor, tensor), (row, row), (block, block) or (block, block2d)");
+  check_dtype(scale_a, op, n.scale_a, {at::kFloat});
+  check_dtype(scale_b, op, n.scale_b, {at::kFloat});
+  check_same_device(scale_a, a, op, n.scale_a, n.a);
+  check_same_device(scale_b, a, op, n.scale_b, n.a);
+  check_shape(scale_a, scale_shape(a.sym_size(0), a.sym_size(1), sa), op, n.scale_a);
+  check_shape(scale_b, scale_shape(b.sym_size(0), b.sym_size(1), sb), op, n.scale_b);
+  if (bias.has_value()) {
+    check_float_input(*bias, op, "bias");
+    check_same_device(*bias, a, op, "bias", n.a);
+    check_shape(*bias, c10::SymDimVector{b.sym_size(0)}, op, "bias");
+  }
+  TORCH_CHECK_TYPE(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat, "lowbit.", op,
+                   ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", out_dtype);
+}
+
+at::Tensor dequantize_fp32(const at::Tensor& data, const at::Tensor& scale, Scaling s) {
+  const at::Tensor v = data.to(at::kFloat);
+  const int64_t rows = data.size(0), cols = data.size(1), bs = fp8::kBlockSize;
+  switch (s) {
+    case Scaling::kTensor: return v * scale;
+    case Scaling::kRow: return v * scale.unsqueeze(1);
+    case Scaling::kBlock: {
+      const int64_t nb = scale.size(1);
+      return v * scale.unsqueeze(2).expand({rows, nb, bs}).reshape({rows, nb * bs}).narrow(1, 0, cols);
+    }
+    case Scaling::kBlock2d: {
+      const int64_t rb = scale.size(0), cb = scale.size(1);
+      const at::Tensor per_row = scale.unsqueeze(1).expand({rb, bs, cb}).reshape({rb * bs, cb}).narrow(0, 0, rows);
+      return v * per_row.unsqueeze(2).expand({rows, cb, bs}).reshape({rows, cb * bs}).narrow(1, 0, cols);
+    }
+  }
+  return v;
+}
+
+at::Tensor gemm_reference(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                          const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype) {
+  at::Tensor y = at::matmul(dequantize_fp32(a, scale_a, sa), dequantize_fp32(b, scale_b, sb).t());
+  if (bias.has_value()) y = y + bias->to(at::kFloat);
+  return y.to(out_dtype);
+}
+
+// ---- the Linear ---------------------------------------------------------------
+
+namespace {
+
+void check_history(const at::Tensor& h, const at::Tensor& x, const Recipe& r, const char* op) {
+  if (r.kind != Recipe::Kind::kDelayed) return;  // stateless recipes ignore it
+  check_dtype(h, op, "amax_history", {at::kFloat});
+  check_same_device(h, x, op, "amax_history", "x");
+  TORCH_CHECK_VALUE(h.dim() == 2 && h.sym_size(0) == kHistoryRows && h.sym_size(1) >= 1, "lowbit.", op,
+                    ": argument 'amax_history' must have shape [3, L] (rows x, W, dy; L >= 1) for recipe "
+                    "\"delayed\", got ",
+                    h.sym_sizes());
+}
+
+// The delayed scales of history rows [row0, row0 + n), from the history as
+// it is before this call records anything: [n] float32.
+at::Tensor delayed_scales(const Backend& be, const at::Tensor& h, int64_t row0, int64_t n, const Recipe& r,
+                          Format f) {
+  const at::Tensor rows = h.narrow(0, row0, n);
+  const at::Tensor reduced = r.amax_max ? rows.amax(1) : rows.select(1, 0).contiguous();
+  return be.scale_from_amax(reduced, fp8::format_max(f), r.margin, r.pow2);
+}
+
+// Rolls history rows [row0, row0 + n) one column towards the old end and
+// writes `amax` [n] into column 0 (the most recent).
+void record_amax(at::Tensor h, int64_t row0, const at::Tensor& amax) {
+  at::Tensor rows = h.narrow(0, row0, amax.numel());
+  const int64_t len = h.size(1);
+  if (len > 1) rows.narrow(1, 1, len - 1).copy_(rows.narrow(1, 0, len - 1).clone());
+  rows.select(1, 0).copy_(amax);
+}
+
+void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          const at::Tensor& amax_history, const Recipe& r) {
+  check_float_input(x, kForward, "x");
+  check_float_input(weight, kForward, "weight");
+  check_dims(x, kForward, "x", {2});
+  check_dims(weight, kForward, "weight", {2});
+  check_same_device(weight, x, kForward, "weight", "x");
+  TORCH_CHECK_VALUE(weight.sym_size(1) == x.sym_size(1), "lowbit.", kForward,
+                    ": argument 'weight' [N, K] must have the K of 'x' [M, K] (", x.sym_size(1), "), got shape ",
+                    weight.sym_sizes());
+  if (bias.has_value()) {
+    check_float_input(*bias, kForward, "bias");
+    check_same_device(*bias, x, kForward, "bias", "x");
+    check_shape(*bias, c10::SymDimVector{weight.sym_size(0)}, kForward, "bias");
+  }
+  check_history(amax_history, x, r, kForward);
+}
+
+void check_linear_backward(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
+                           const at::Tensor& w_t, const at::Tensor& w_t_scale, const at::Tensor& amax_history,
+                           const Recipe& r, at::ScalarType weight_dtype, c10::optional<at::ScalarType> bias_dtype,
+                           bool compute_dx, bool compute_dw) {
+  check_float_input(dy, kBackward, "dy");
+  check_dims(dy, kBackward, "dy", {2});
+  auto float_type = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; };
+  TORCH_CHECK_TYPE(float_type(weight_dtype), "lowbit.", kBackward,
+                   ": argument 'weight_dtype' must be float32, bfloat16 or float16, got ", weight_dtype);
+  TORCH_CHECK_TYPE(!bias_dtype.has_value() || float_type(*bias_dtype), "lowbit.", kBackward,
+                   ": argument 'bias_dtype' must be float32, bfloat16 or float16, got ", *bias_dtype);
+  if (compute_dx) {
+    check_dims(w_t, kBackward, "w_t", {2});
+    TORCH_CHECK_VALUE(w_t.sym_size(1) == dy.sym_size(1), "lowbit.", kBackward,
+                      ": argument 'w_t' [K, N] must have the N of 'dy' [M, N] (", dy.sym_size(1), "), got shape ",
+                      w_t.sym_sizes());
+    check_dtype(w_t, kBackward, "w_t", {at::kFloat8_e4m3fn});
+    check_dtype(w_t_scale, kBackward, "w_t_scale", {at::kFloat});
+    check_same_device(w_t, dy, kBackward, "w_t", "dy");
+    check_same_device(w_t_scale, dy, kBackward, "w_t_scale", "dy");
+    check_shape(w_t_scale, scale_shape(w_t.sym_size(0), w_t.sym_size(1), r.weight()), kBackward, "w_t_scale");
+  }
+  if (compute_dw) {
+    check_dims(x_t, kBackward, "x_t", {2});
+    TORCH_CHECK_VALUE(x_t.sym_size(1) == dy.sym_size(0), "lowbit.", kBackward,
+                      ": argument 'x_t' [K, M] must have the M of 'dy' [M, N] (", dy.sym_size(0), "), got shape ",
+                      x_t.sym_sizes());
+    check_dtype(x_t, kBackward, "x_t", {at::kFloat8_e4m3fn});
+    check_dtype(x_t_scale, kBackward, "x_t_scale", {at::kFloat});
+    check_same_device(x_t, dy, kBackward, "x_t", "dy");
+    check_same_device(x_t_scale, dy, kBackward, "x_t_scale", "dy");
+    check_shape(x_t_scale, scale_shape(x_t.sym_size(0), x_t.sym_size(1), r.activation()), kBackward, "x_t_scale");
+  }
+  check_history(amax_history, dy, r, kBackward);
+}
+
+LinearForwardOut empty_forward_outputs(const at::Tensor& x, const at::Tensor& weight, const Recipe& r,
+                                       bool save_x_t, bool save_w_t) {
+  const c10::SymInt& m = x.sym_size(0);
+  const c10::SymInt& k = x.sym_size(1);
+  const c10::SymInt& n = weight.sym_size(0);
+  const auto f32 = x.options().dtype(at::kFloat), q = x.options().dtype(at::kFloat8_e4m3fn);
+  return {at::empty_symint(c10::SymDimVector{m, n}, x.options()),
+          save_x_t ? at::empty_symint(c10::SymDimVector{k, m}, q) : at::empty({0}, q),
+          save_x_t ? at::empty_symint(scale_shape(k, m, r.activation()), f32) : at::empty({0}, f32),
+          save_w_t ? at::empty_symint(c10::SymDimVector{k, n}, q) : at::empty({0}, q),
+          save_w_t ? at::empty_symint(scale_shape(k, n, r.weight()), f32) : at::empty({0}, f32)};
+}
+
+LinearBackwardOut empty_backward_outputs(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& w_t,
+                                         at::ScalarType weight_dtype, c10::optional<at::ScalarType> bias_dtype,
+                                         bool compute_dx, bool compute_dw) {
+  const c10::SymInt& m = dy.sym_size(0);
+  const c10::SymInt& n = dy.sym_size(1);
+  return {compute_dx ? at::empty_symint(c10::SymDimVector{m, w_t.sym_size(0)}, dy.options())
+                     : at::empty({0}, dy.options()),
+          compute_dw ? at::empty_symint(c10::SymDimVector{n, x_t.sym_size(0)}, dy.options().dtype(weight_dtype))
+                     : at::empty({0}, dy.options().dtype(weight_dtype)),
+          bias_dtype.has_value() ? at::empty_symint(c10::SymDimVector{n}, dy.options().dtype(*bias_dtype))
+                                 : at::empty({0}, dy.options())};
+}
+
+}  // namespace
+
+LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, const at::Tensor& amax_history,
+                                c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t) {
+  const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
+  check_linear_forward(x, weight, bias, amax_history, r);
+  const bool delayed = r.kind == Recipe::Kind::kDelayed;
+  c10::optional<at::Tensor> sx, sw;
+  if (delayed) {
+    const at::Tensor s = delayed_scales(be, amax_history, 0, 2, r, Format::kE4M3);
+    sx = s.select(0, 0);
+    sw = s.select(0, 1);
+  }
+  const CastOut cx = be.cast(x.contiguous(), r.activation(), Format::kE4M3, save_x_t, sx, r.pow2);
+  const CastOut cw = be.cast(weight.contiguous(), r.weight(), Format::kE4M3, save_w_t, sw, r.pow2);
+  at::Tensor y = be.gemm(cx.data, cx.scale, cw.data, cw.scale, r.activation(), r.weight(), bias, x.scalar_type());
+  if (delayed) record_amax(amax_history, 0, at::stack({cx.amax, cw.amax}));
+  return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t};
+}
+
+LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const at::Tensor& x_t,
+                                  const at::Tensor& x_t_scale, const at::Tensor& w_t, const at::Tensor& w_t_scale,
+                                  const at::Tensor& amax_history, c10::string_view recipe,
+                                  c10::string_view grad_dtype, c10::string_view amax_compute, int64_t margin,
+                                  bool pow2_scales, at::ScalarType weight_dtype,
+                                  c10::optional<at::ScalarType> bias_dtype, bool compute_dx, bool compute_dw) {
+  const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kBackward);
+  check_linear_backward(dy, x_t, x_t_scale, w_t, w_t_scale, amax_history, r, weight_dtype, bias_dtype, compute_dx,
+                        compute_dw);
+  const bool delayed = r.kind == Recipe::Kind::kDelayed;
+  c10::optional<at::Tensor> sdy;
+  if (delayed) sdy = delayed_scales(be, amax_history, 2, 1, r, r.grad_format).select(0, 0);
+  auto out = empty_backward_outputs(dy, x_t, w_t, weight_dtype, bias_dtype, false, false);
+  const CastOut cdy = be.cast(dy.contiguous(), r.activation(), r.grad_format, compute_dw, sdy, r.pow2);
+  if (compute_dx)
+    std::get<0>(out) = be.gemm(cdy.data, cdy.scale, w_t.contiguous(), w_t_scale.contiguous(), r.activation(),
+                               r.weight(), c10::nullopt, dy.scalar_type());
+  if (compute_dw)
+    std::get<1>(out) = be.gemm(cdy.data_t, cdy.scale_t, x_t.contiguous(), x_t_scale.contiguous(), r.activation(),
+                               r.activation(), c10::nullopt, weight_dtype);
+  if (bias_dtype.has_value()) std::get<2>(out) = dy.sum(0, false, at::kFloat).to(*bias_dtype);
+  if (delayed) record_amax(amax_history, 2, cdy.amax.view({1}));
+  return out;
+}
+
+// ---- CPU and Meta kernels -------------------------------------------------------
+
+namespace {
+
+CastOut cast_cpu_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
+                      const c10::optional<at::Tensor>& scale, bool pow2) {
+  const at::Tensor x = input.contiguous();
+  c10::optional<at::Tensor> s;
+  if (scale.has_value()) s = scale->contiguous();
+  CastOut out = empty_cast_outputs(x, scaling, format, transpose);
+  fp8::cast_cpu(cast_args(x, scaling, format, pow2, s, out));
+  return out;
+}
+
+at::Tensor scale_from_amax_cpu(const at::Tensor& amax, float fmax, int64_t margin, bool pow2) {
+  const at::Tensor a = amax.contiguous();
+  at::Tensor out = at::empty_like(a);
+  fp8::scale_from_amax_cpu({a.data_ptr<float>(), a.numel(), fmax, static_cast<int>(margin), pow2,
+                            out.data_ptr<float>()});
+  return out;
+}
+
+const Backend kCpuBackend{&cast_cpu_impl, &gemm_reference, &scale_from_amax_cpu};
+
+CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
+                   const c10::optional<at::Tensor>& scale, bool pow2_scales) {
+  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
+  const Format f = parse_format(dtype, kCast, "dtype");
+  check_cast(input, s, scale, kCast);
+  CastOut o = cast_cpu_impl(input, s, f, transpose, scale, pow2_scales);
+  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+}
+
+CastTuple cast_meta(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
+                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
+  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
+  const Format f = parse_format(dtype, kCast, "dtype");
+  check_cast(input, s, scale, kCast);
+  CastOut o = empty_cast_outputs(input, s, f, transpose);
+  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+}
+
+constexpr GemmNames kGemmNames{kGemm, "a", "scale_a", "b", "scale_b"};
+
+at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                     c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
+                     c10::optional<at::ScalarType> out_dtype) {
+  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
+  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
+  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
+  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, kGemmNames);
+  return at::empty_symint(c10::SymDimVector{a.sym_size(0), b.sym_size(0)}, a.options().dtype(od));
+}
+
+at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                    c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
+                    c10::optional<at::ScalarType> out_dtype) {
+  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
+  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
+  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
+  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, kGemmNames);
+  return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, od);
+}
+
+LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                             at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
+                             c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
+                             bool save_w_t) {
+  return linear_forward(kCpuBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
+                        pow2_scales, save_x_t, save_w_t);
+}
+
+LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                              at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
+                              c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
+                              bool save_w_t) {
+  const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
+  check_linear_forward(x, weight, bias, amax_history, r);
+  return empty_forward_outputs(x, weight, r, save_x_t, save_w_t);
+}
+
+LinearBackwardOut backward_cpu(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
+                               const at::Tensor& w_t, const at::Tensor& w_t_scale, at::Tensor& amax_history,
+                               c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                               int64_t margin, bool pow2_scales, at::ScalarType weight_dtype,
+                               c10::optional<at::ScalarType> bias_dtype, bool compute_dx, bool compute_dw) {
+  return linear_backward(kCpuBackend, dy, x_t, x_t_scale, w_t, w_t_scale, amax_history, recipe, grad_dtype,
+                         amax_compute, margin, pow2_scales, weight_dtype, bias_dtype, compute_dx, compute_dw);
+}
+
+LinearBackwardOut backward_meta(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
+                                const at::Tensor& w_t, const at::Tensor& w_t_scale, at::Tensor& amax_history,
+                                c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                                int64_t margin, bool pow2_scales, at::ScalarType weight_dtype,
+                                c10::optional<at::ScalarType> bias_dtype, bool compute_dx, bool compute_dw) {
+  const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kBackward);
+  check_linear_backward(dy, x_t, x_t_scale, w_t, w_t_scale, amax_history, r, weight_dtype, bias_dtype, compute_dx,
+                        compute_dw);
+  return empty_backward_outputs(dy, x_t, w_t, weight_dtype, bias_dtype, compute_dx, compute_dw);
+}
+
+}  // namespace
+}  // namespace lowbit::ops::fp8ops
+
+TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
+  m.impl("fp8_cast", &lowbit::ops::fp8ops::cast_cpu);
+  m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_cpu);
+  m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cpu);
+  m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
+  m.impl("fp8_cast", &lowbit::ops::fp8ops::cast_meta);
+  m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_meta);
+  m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_meta);
+  m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_meta);
+}

@@ -1,0 +1,93 @@
+// Shared pieces of the FP8 training bindings (CPU, CUDA and Meta kernels):
+// argument parsing and checks, output shapes, the GEMM reference, and the
+// Linear's forward / backward written once over a per-device backend.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "lowbit/fp8/fp8_cast.h"
+
+namespace lowbit::ops::fp8ops {
+
+using fp8::Format;
+using fp8::Scaling;
+
+using CastTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+struct CastOut {
+  at::Tensor data, scale, data_t, scale_t, amax;
+};
+
+// The recipe of one Linear (docs/fp8.md): which scaling each operand gets.
+struct Recipe {
+  enum class Kind { kTensorwise, kDelayed, kRowwise, kBlockwise } kind;
+  Format grad_format;
+  bool amax_max;  // delayed: max over the history, else its most recent entry
+  int64_t margin;
+  bool pow2;
+  Scaling activation() const;  // x and dy
+  Scaling weight() const;      // W
+};
+
+Scaling parse_scaling(c10::string_view s, const char* op, const char* arg, bool allow_block2d);
+Format parse_format(c10::string_view s, const char* op, const char* arg);
+Recipe parse_recipe(c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                    int64_t margin, bool pow2, const char* op);
+at::ScalarType fp8_dtype(Format f);
+
+// Shape of the scales of a [rows, cols] tensor under `s` (fp8_cast.h).
+c10::SymDimVector scale_shape(const c10::SymInt& rows, const c10::SymInt& cols, Scaling s);
+
+// fp8_cast: checks, then empty outputs (SymInt-aware; the transposed pair
+// [0]-shaped when not asked for).
+void check_cast(const at::Tensor& input, Scaling scaling, const c10::optional<at::Tensor>& scale, const char* op);
+CastOut empty_cast_outputs(const at::Tensor& input, Scaling scaling, Format format, bool transpose);
+fp8::CastArgs cast_args(const at::Tensor& input, Scaling scaling, Format format, bool pow2,
+                        const c10::optional<at::Tensor>& scale, CastOut& out);
+
+// fp8_gemm: checks (argument names for the messages), the output dtype,
+// and the reference: both operands dequantized to FP32 (code * scale, one
+// rounding), an FP32 matmul, the bias added in FP32, one rounding to
+// out_dtype. Runs on any device with ATen ops.
+struct GemmNames {
+  const char* op;
+  const char* a;
+  const char* scale_a;
+  const char* b;
+  const char* scale_b;
+};
+void check_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                const GemmNames& names);
+at::Tensor dequantize_fp32(const at::Tensor& data, const at::Tensor& scale, Scaling s);
+at::Tensor gemm_reference(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                          const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype);
+
+// What the Linear needs from a device.
+struct Backend {
+  CastOut (*cast)(const at::Tensor& input, Scaling, Format, bool transpose, const c10::optional<at::Tensor>& scale,
+                  bool pow2);
+  at::Tensor (*gemm)(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                     Scaling, Scaling, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+  // scale_from_amax elementwise over a float32 tensor.
+  at::Tensor (*scale_from_amax)(const at::Tensor& amax, float fmax, int64_t margin, bool pow2);
+};
+
+using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using LinearBackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at::Tensor& weight,
+                                const c10::optional<at::Tensor>& bias, const at::Tensor& amax_history,
+                                c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t);
+LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const at::Tensor& x_t,
+                                  const at::Tensor& x_t_scale, const at::Tensor& w_t, const at::Tensor& w_t_scale,
+                                  const at::Tensor& amax_history, c10::string_view recipe,
+                                  c10::string_view grad_dtype, c10::string_view amax_compute, int64_t margin,
+                                  bool pow2_scales, at::ScalarType weight_dtype,
+                                  c10::optional<at::ScalarType> bias_dtype, bool compute_dx, bool compute_dw);
+
+}  // namespace lowbit::ops::fp8ops

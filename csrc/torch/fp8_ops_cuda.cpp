@@ -1,0 +1,159 @@
+// CUDA kernels of the FP8 training ops: the cast (csrc/lowbit/fp8/fp8_cast.cu),
+// the GEMM through at::_scaled_mm (cuBLASLt) where it takes the shape, and
+// the Linear's forward / backward (fp8_ops.cpp) over these.
+//
+// fp8_gemm on CUDA:
+//   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
+//     multiples of 16 (cuBLASLt FP8: row-major a times column-major b, i.e.
+//     our b [N, K] row-major, passed as b.t()).
+//   block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128 by
+//     1 x 128): at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
+//     12.9, compute capability 9.0 only), with its scale layouts: a's scales
+//     [M, K/128] column-major; b's 128 x 128 scales passed as [K/128, N/128]
+//     (our [N/128, K/128] transposed); b's 1 x 128 scales as [K/128, N]
+//     row-major. Taken when K % 128 == 0, N % 16 == 0, M % 4 == 0 (the
+//     column-major scales' stride M stays 16-byte aligned) and the output is
+//     bfloat16.
+//   anything else (other shapes, float16 / float32 output with block
+//     scales, e5m2 x e5m2): the reference formula on the device, both
+//     operands dequantized to FP32 and an FP32 matmul. Correct but slow: a
+//     fallback, marked as such in docs/fp8.md.
+// The bias goes into cuBLASLt's epilogue when it has the output's dtype
+// (bfloat16 / float16); otherwise it is added in FP32 afterwards.
+// None of this has run on a GPU yet.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cuda_checks.h"
+#include "fp8_ops.h"
+
+namespace lowbit::ops::fp8ops {
+namespace {
+
+constexpr const char* kCast = "fp8_cast";
+constexpr const char* kGemm = "fp8_gemm";
+
+CastOut cast_cuda_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
+                       const c10::optional<at::Tensor>& scale, bool pow2) {
+  c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = input.contiguous();
+  c10::optional<at::Tensor> s;
+  if (scale.has_value()) s = scale->contiguous();
+  CastOut out = empty_cast_outputs(x, scaling, format, transpose);
+  fp8::CastArgs a = cast_args(x, scaling, format, pow2, s, out);
+  at::Tensor workspace;
+  const int64_t bytes = fp8::cast_workspace_bytes(a);
+  if (bytes > 0) {
+    workspace = at::empty({bytes}, x.options().dtype(at::kByte));
+    a.workspace = workspace.data_ptr();
+  }
+  C10_CUDA_CHECK(fp8::cast_cuda(a, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+at::Tensor scale_from_amax_cuda(const at::Tensor& amax, float fmax, int64_t margin, bool pow2) {
+  c10::cuda::CUDAGuard guard(amax.device());
+  const at::Tensor a = amax.contiguous();
+  at::Tensor out = at::empty_like(a);
+  C10_CUDA_CHECK(fp8::scale_from_amax_cuda(
+      {a.data_ptr<float>(), a.numel(), fmax, static_cast<int>(margin), pow2, out.data_ptr<float>()},
+      c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, at::ScalarType out_dtype) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  if (m == 0 || k == 0 || n == 0) return false;
+  if (a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2) return false;
+  if (k % 16 != 0 || n % 16 != 0) return false;
+  if (sa == Scaling::kBlock) return k % fp8::kBlockSize == 0 && m % 4 == 0 && out_dtype == at::kBFloat16;
+  return true;
+}
+
+at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, const at::Tensor& b_in,
+                          const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype) {
+  c10::cuda::CUDAGuard guard(a_in.device());
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  if (!scaled_mm_takes(a, b, sa, out_dtype)) return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+  const int64_t m = a.size(0), n = b.size(0);
+  at::Tensor sa_mm, sb_mm;
+  switch (sa) {
+    case Scaling::kTensor:
+      sa_mm = scale_a.contiguous();
+      sb_mm = scale_b.contiguous();
+      break;
+    case Scaling::kRow:
+      sa_mm = scale_a.contiguous().view({m, 1});
+      sb_mm = scale_b.contiguous().view({1, n});
+      break;
+    default:
+      sa_mm = scale_a.t().contiguous().t();  // [M, K/128], strides (1, M)
+      sb_mm = sb == Scaling::kBlock2d ? scale_b.contiguous().t()  // [K/128, N/128], strides (1, K/128)
+                                      : scale_b.t().contiguous();  // [K/128, N], strides (N, 1)
+      break;
+  }
+  const bool epilogue_bias = bias.has_value() && bias->scalar_type() == out_dtype && out_dtype != at::kFloat;
+  c10::optional<at::Tensor> b_mm;
+  if (epilogue_bias) b_mm = bias->contiguous();
+  at::Tensor y = at::_scaled_mm(a, b.t(), sa_mm, sb_mm, b_mm, c10::nullopt, out_dtype, /*use_fast_accum=*/false);
+  if (bias.has_value() && !epilogue_bias) y = (y.to(at::kFloat) + bias->to(at::kFloat)).to(out_dtype);
+  return y;
+}
+
+const Backend kCudaBackend{&cast_cuda_impl, &gemm_cuda_impl, &scale_from_amax_cuda};
+
+CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
+                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
+  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
+  const Format f = parse_format(dtype, kCast, "dtype");
+  check_cast(input, s, scale, kCast);
+  check_supported_gpu(input, kCast);
+  CastOut o = cast_cuda_impl(input, s, f, transpose, scale, pow2_scales);
+  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+}
+
+at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                     c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
+                     c10::optional<at::ScalarType> out_dtype) {
+  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
+  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
+  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
+  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, GemmNames{kGemm, "a", "scale_a", "b", "scale_b"});
+  check_supported_gpu(a, kGemm);
+  return gemm_cuda_impl(a, scale_a, b, scale_b, sa, sb, bias, od);
+}
+
+LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                              at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
+                              c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
+                              bool save_w_t) {
+  check_supported_gpu(x, "fp8_linear_forward");
+  c10::cuda::CUDAGuard guard(x.device());
+  return linear_forward(kCudaBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
+                        pow2_scales, save_x_t, save_w_t);
+}
+
+LinearBackwardOut backward_cuda(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
+                                const at::Tensor& w_t, const at::Tensor& w_t_scale, at::Tensor& amax_history,
+                                c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
+                                int64_t margin, bool pow2_scales, at::ScalarType weight_dtype,
+                                c10::optional<at::ScalarType> bias_dtype, bool compute_dx, bool compute_dw) {
+  check_supported_gpu(dy, "fp8_linear_backward");
+  c10::cuda::CUDAGuard guard(dy.device());
+  return linear_backward(kCudaBackend, dy, x_t, x_t_scale, w_t, w_t_scale, amax_history, recipe, grad_dtype,
+                         amax_compute, margin, pow2_scales, weight_dtype, bias_dtype, compute_dx, compute_dw);
+}
+
+}  // namespace
+}  // namespace lowbit::ops::fp8ops
+
+TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
+  m.impl("fp8_cast", &lowbit::ops::fp8ops::cast_cuda);
+  m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_cuda);
+  m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cuda);
+  m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cuda);
+}
