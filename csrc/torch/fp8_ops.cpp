@@ -150,9 +150,9 @@ fp8::CastArgs cast_args(const at::Tensor& input, Scaling scaling, Format format,
   a.given_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
   a.data = reinterpret_cast<uint8_t*>(out.data.data_ptr());
   a.scale = out.scale.data_ptr<float>();
-  const bool transpose = out.data_t.dim() == 2;
-  a.data_t = transpose ? reinterpret_cast<uint8_t*>(out.data_t.data_ptr()) : nullptr;
-  a.scale_t = transpose ? out.scale_t.data_ptr<float>() : nullptr;
+  a.transpose = out.data_t.dim() == 2;
+  a.data_t = a.transpose ? reinterpret_cast<uint8_t*>(out.data_t.data_ptr()) : nullptr;
+  a.scale_t = a.transpose ? out.scale_t.data_ptr<float>() : nullptr;
   a.amax = out.amax.data_ptr<float>();
   return a;
 }

@@ -91,6 +91,7 @@ struct CastParams {
   const unsigned* col_amax;
   uint8_t* data;
   float* scale;
+  bool transpose;
   uint8_t* data_t;
   float* scale_t;
   float* amax;
@@ -147,21 +148,21 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, CastParams p
       case Scaling::kTensor:
         if (blockIdx.x == 0 && blockIdx.y == 0 && k == 0) {
           *p.scale = rs;
-          if (p.data_t) *p.scale_t = rs;
+          if (p.transpose) *p.scale_t = rs;
         }
         break;
       case Scaling::kRow:
         if (blockIdx.y == 0 && i < p.rows) p.scale[i] = rs;
-        if (p.data_t && blockIdx.x == 0 && jj < p.cols) p.scale_t[jj] = cs;
+        if (p.transpose && blockIdx.x == 0 && jj < p.cols) p.scale_t[jj] = cs;
         break;
       case Scaling::kBlock:
         if (i < p.rows) p.scale[i * kb + blockIdx.y] = rs;
-        if (p.data_t && jj < p.cols) p.scale_t[jj * mb + blockIdx.x] = cs;
+        if (p.transpose && jj < p.cols) p.scale_t[jj * mb + blockIdx.x] = cs;
         break;
       case Scaling::kBlock2d:
         if (k == 0) {
           p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = rs;
-          if (p.data_t) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = rs;
+          if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = rs;
         }
         break;
     }
@@ -173,9 +174,9 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, CastParams p
     if (i >= p.rows || j >= p.cols) continue;
     const float v = to_float(x[i * p.cols + j]);
     p.data[i * p.cols + j] = encode(v, row_s[r], p.format);
-    if (p.data_t) tile_t[t.c][r] = encode(v, col_s[t.c], p.format);
+    if (p.transpose) tile_t[t.c][r] = encode(v, col_s[t.c], p.format);
   }
-  if (!p.data_t) return;
+  if (!p.transpose) return;
   __syncthreads();
   for (int e = threadIdx.x; e < kBlockSize * kBlockSize; e += kThreads) {
     const int cc = e / kBlockSize, rr = e % kBlockSize;
@@ -217,7 +218,7 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.input);
   const dim3 grid(unsigned(ceil_div128(a.rows)), unsigned(ceil_div128(a.cols)));
   CastParams p{a.rows, a.cols, a.scaling, a.format, a.pow2, a.given_scale, nullptr, nullptr,
-               a.data, a.scale, a.data_t, a.scale_t, a.amax};
+               a.data, a.scale, a.transpose, a.data_t, a.scale_t, a.amax};
   if (a.scaling == Scaling::kTensor || a.scaling == Scaling::kRow) {
     unsigned* row_amax = nullptr;
     unsigned* col_amax = nullptr;
@@ -244,7 +245,7 @@ cudaError_t cast_cuda(const CastArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (a.rows == 0 || a.cols == 0) {
     err = fill(a.scale, scale_count(a, false), a.given_scale, stream);
-    if (err == cudaSuccess && a.data_t) err = fill(a.scale_t, scale_count(a, true), a.given_scale, stream);
+    if (err == cudaSuccess && a.transpose) err = fill(a.scale_t, scale_count(a, true), a.given_scale, stream);
     return err;
   }
   switch (a.input_dtype) {

@@ -32,8 +32,9 @@ struct CastArgs {
   const float* given_scale;  // [] kTensor only (delayed scaling), or null: from the amax
   uint8_t* data;             // [rows, cols] codes
   float* scale;
-  uint8_t* data_t;           // [cols, rows] codes, or null: no transposed copy
-  float* scale_t;            // null when data_t is
+  bool transpose;            // write data_t / scale_t
+  uint8_t* data_t;           // [cols, rows] codes (may be null when empty)
+  float* scale_t;
   float* amax;               // [] max |x| over the tensor (NaN if any is NaN)
   void* workspace;           // CUDA, kRow: cast_workspace_bytes, else unused
 };

@@ -41,7 +41,7 @@ void cast_cpu(const CastArgs& a) {
     case Scaling::kTensor: {
       const float s = a.given_scale ? *a.given_scale : scale_of(total);
       *a.scale = s;
-      if (a.data_t) *a.scale_t = s;
+      if (a.transpose) *a.scale_t = s;
       break;
     }
     case Scaling::kRow: {
@@ -55,7 +55,7 @@ void cast_cpu(const CastArgs& a) {
       for (auto& s : row_s) s = scale_of(s);
       for (auto& s : col_s) s = scale_of(s);
       for (int64_t i = 0; i < rows; ++i) a.scale[i] = row_s[i];
-      if (a.data_t)
+      if (a.transpose)
         for (int64_t j = 0; j < cols; ++j) a.scale_t[j] = col_s[j];
       break;
     }
@@ -74,7 +74,7 @@ void cast_cpu(const CastArgs& a) {
       for (auto& s : row_s) s = scale_of(s);
       for (auto& s : col_s) s = scale_of(s);
       for (int64_t i = 0; i < rows * kb; ++i) a.scale[i] = row_s[i];
-      if (a.data_t)
+      if (a.transpose)
         for (int64_t i = 0; i < cols * mb; ++i) a.scale_t[i] = col_s[i];
       break;
     }
@@ -89,7 +89,7 @@ void cast_cpu(const CastArgs& a) {
       for (int64_t bi = 0; bi < mb; ++bi)
         for (int64_t bj = 0; bj < kb; ++bj) {
           a.scale[bi * kb + bj] = row_s[bi * kb + bj];
-          if (a.data_t) a.scale_t[bj * mb + bi] = row_s[bi * kb + bj];
+          if (a.transpose) a.scale_t[bj * mb + bi] = row_s[bi * kb + bj];
         }
       break;
     }
@@ -105,7 +105,7 @@ void cast_cpu(const CastArgs& a) {
         case Scaling::kBlock2d: s = st = row_s[(i / kBlockSize) * kb + j / kBlockSize]; break;
       }
       a.data[i * cols + j] = encode(at(i, j), s, a.format);
-      if (a.data_t) a.data_t[j * rows + i] = encode(at(i, j), st, a.format);
+      if (a.transpose) a.data_t[j * rows + i] = encode(at(i, j), st, a.format);
     }
 }
 

@@ -1,0 +1,133 @@
+"""lowbit.fp8_gemm against a float64 product of the same FP8 operands (the
+operands from fp8_reference.py, bit-exact), within FP32-accumulation plus
+output-rounding tolerance; opcheck, compile, empty, bad inputs, CUDA."""
+
+import zlib
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import fp8_reference as ref
+import lowbit
+
+PAIRS = [("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d")]
+OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def seeded(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def operands(m, n, k, pair, fmt_a="e4m3", fmt_b="e4m3", key=()):
+    gen = seeded("gemm", m, n, k, pair, fmt_a, fmt_b, *key)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    w = torch.randn(n, k, generator=gen) * 0.05
+    qa, sa = ref.quantize(x, pair[0], fmt_a)
+    qb, sb = ref.quantize(w, pair[1], fmt_b)
+    return qa.view(ref.DTYPE[fmt_a]), sa, qb.view(ref.DTYPE[fmt_b]), sb
+
+
+def check(a, sa, b, sb, pair, bias=None, out_dtype=torch.bfloat16, device="cpu"):
+    fa = "e4m3" if a.dtype == torch.float8_e4m3fn else "e5m2"
+    fb = "e4m3" if b.dtype == torch.float8_e4m3fn else "e5m2"
+    dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+    y = lowbit.fp8_gemm(dev(a), dev(sa), dev(b), dev(sb), pair[0], pair[1], dev(bias), out_dtype)
+    assert y.dtype == out_dtype and y.shape == (a.shape[0], b.shape[0])
+    a8, b8 = a.view(torch.uint8), b.view(torch.uint8)
+    want = ref.gemm(a8, sa, b8, sb, pair[0], pair[1], fa, fb, bias)
+    acc, out_eps = ref.gemm_tolerance(a8, sa, b8, sb, pair[0], pair[1], fa, fb, out_dtype)
+    if bias is not None:
+        acc = acc + bias.abs().to(torch.float64) * 2.0**-23
+    ref.assert_gemm_close(y, want, acc, out_eps)
+    return y
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("mnk", [(1, 16, 16), (37, 48, 300), (130, 256, 384)])
+def test_matches_float64(pair, out_dtype, mnk):
+    check(*operands(*mnk, pair), pair, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_e5m2_operand_and_bias(pair):
+    a, sa, b, sb = operands(64, 80, 256, pair, "e5m2", "e4m3")
+    bias = torch.randn(80, generator=seeded("bias", pair)).to(torch.bfloat16)
+    check(a, sa, b, sb, pair, bias=bias)
+    check(a, sa, b, sb, pair, bias=bias.float(), out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("mnk", [(0, 32, 64), (5, 16, 0), (0, 0, 16)])
+def test_empty(pair, mnk):
+    a, sa, b, sb = operands(*mnk, pair)
+    bias = torch.ones(mnk[1])
+    y = lowbit.fp8_gemm(a, sa, b, sb, pair[0], pair[1], bias)
+    assert y.shape == mnk[:2]
+    assert torch.equal(y, torch.ones(mnk[:2], dtype=torch.bfloat16))
+
+
+# test_schema runs the op under SchemaCheckMode, which compares every
+# argument of every op inside it with torch.allclose; that has no float8
+# kernel on the CPU, so the ops that compute on FP8 tensors run the other
+# three default tests.
+OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_opcheck(pair):
+    a, sa, b, sb = operands(40, 48, 272, pair, key=("opcheck",))
+    torch.library.opcheck(torch.ops.lowbit.fp8_gemm.default, (a, sa, b, sb, pair[0], pair[1], None, None), test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(
+        torch.ops.lowbit.fp8_gemm.default, (a, sa, b, sb, pair[0], pair[1], torch.randn(48), torch.float32),
+        test_utils=OPCHECK_UTILS,
+    )
+
+
+def test_compile_fullgraph_dynamic_no_recompile():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def f(x, w):
+        cx = lowbit.fp8_cast(x, "block")
+        cw = lowbit.fp8_cast(w, "block2d")
+        return lowbit.fp8_gemm(cx.data, cx.scale, cw.data, cw.scale, "block", "block2d")
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    w = torch.randn(64, 256)
+    for m in (130, 300, 1000):
+        x = torch.randn(m, 256, generator=seeded("compile", m))
+        assert torch.equal(compiled(x, w), f(x, w))
+    assert counter.frame_count == 1
+
+
+def test_bad_inputs_raise_clear_errors():
+    a, sa, b, sb = operands(8, 16, 32, ("row", "row"))
+    gemm = lowbit.fp8_gemm
+    with pytest.raises(TypeError, match=r"argument 'a' must have dtype Float8_e4m3fn or Float8_e5m2, got BFloat16"):
+        gemm(a.to(torch.bfloat16), sa, b, sb, "row", "row")
+    with pytest.raises(ValueError, match=r"'a' \[M, K\] and 'b' \[N, K\] must have the same K"):
+        gemm(a, sa, b[:, :16], sb, "row", "row")
+    with pytest.raises(ValueError, match=r"argument 'scale_a' must have shape \[8\], got \[7\]"):
+        gemm(a, sa[:7], b, sb, "row", "row")
+    with pytest.raises(ValueError, match=r"scalings \(\"row\", \"tensor\"\) .* not a supported pair"):
+        gemm(a, sa, b, sb.amax(), "row", "tensor")
+    with pytest.raises(ValueError, match=r"argument 'scaling_a' must be \"tensor\", \"row\", \"block\", got \"block2d\""):
+        gemm(a, sa, b, sb, "block2d", "block2d")
+    with pytest.raises(TypeError, match=r"argument 'out_dtype' must be bfloat16, float16 or float32"):
+        gemm(a, sa, b, sb, "row", "row", None, torch.int32)
+    with pytest.raises(ValueError, match=r"argument 'bias' must have shape \[16\], got \[8\]"):
+        gemm(a, sa, b, sb, "row", "row", torch.zeros(8))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+# (256, 512, 1024): cuBLASLt's paths (_scaled_mm); (37, 48, 300) and
+# (130, 200, 384): the FP32 fallback (K or N not what cuBLASLt takes).
+@pytest.mark.parametrize("mnk", [(256, 512, 1024), (37, 48, 300), (130, 200, 384), (64, 128, 128)])
+def test_cuda_matches_float64(pair, out_dtype, mnk):
+    a, sa, b, sb = operands(*mnk, pair, key=("cuda",))
+    bias = torch.randn(mnk[1], generator=seeded("cuda-bias", mnk)).to(out_dtype)
+    check(a, sa, b, sb, pair, device="cuda", out_dtype=out_dtype)
+    check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype)

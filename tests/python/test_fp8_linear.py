@@ -1,0 +1,317 @@
+"""lowbit.fp8_linear (lowbit::fp8_linear_forward / fp8_linear_backward):
+output and gradients against float64 math on the reference's quantized
+operands (fp8_reference.py) for every recipe, the delayed-scaling history,
+opcheck, torch.compile with one lowbit node per layer per direction,
+dynamic shapes, empty batches, bad inputs, CUDA and CUDA graphs."""
+
+import zlib
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+import fp8_reference as ref
+import lowbit
+from lowbit import Fp8Recipe
+
+RECIPES = [
+    Fp8Recipe("tensorwise"),
+    Fp8Recipe("tensorwise", grad_format="e5m2"),
+    Fp8Recipe("delayed", amax_history_len=4),
+    Fp8Recipe("delayed", grad_format="e5m2", amax_history_len=3, amax_compute="most_recent", margin=1),
+    Fp8Recipe("rowwise"),
+    Fp8Recipe("rowwise", grad_format="e5m2", pow2_scales=True),
+    Fp8Recipe("blockwise"),
+    Fp8Recipe("blockwise", pow2_scales=True),
+]
+IDS = [f"{r.name}-{r.grad_format}-{r.amax_compute}-m{r.margin}-p{int(r.pow2_scales)}" for r in RECIPES]
+
+
+def seeded(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def data(lead, n, k, key, dtype=torch.bfloat16):
+    gen = seeded(lead, n, k, *key)
+    x = (torch.randn(*lead, k, generator=gen) * 2).to(dtype)
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    b = torch.randn(n, generator=gen) * 0.1
+    dy = (torch.randn(*lead, n, generator=gen) * 1e-2).to(dtype)
+    return x, w, b, dy
+
+
+def run(x, w, b, dy, recipe, state, fn=lowbit.fp8_linear):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    y = fn(x, w, b, recipe=recipe, state=state)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+def check_step(x, w, b, dy, recipe, state):
+    """One step against the reference; returns the reference's new history."""
+    history = state.clone()
+    y, dx, dw, db = run(x, w, b, dy, recipe, state)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    ops = ref.linear_operands(x2, w, dy2, recipe, history)
+    y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
+    cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
+    acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", y.dtype)
+    if b is not None:
+        acc = acc + b.abs().to(torch.float64) * 2.0**-23
+    ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc, eps)
+    acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", dx.dtype)
+    ref.assert_gemm_close(dx.reshape(dx_ref.shape), dx_ref, acc, eps)
+    acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", dw.dtype)
+    ref.assert_gemm_close(dw, dw_ref, acc, eps)
+    if b is not None:
+        torch.testing.assert_close(db.double(), dy2.double().sum(0), rtol=1e-5, atol=1e-6)
+    if recipe.name == "delayed":
+        assert torch.equal(state, ops["history"]), (state, ops["history"])
+    return y, dx, dw, db
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("shape", [((2, 37), 48, 300), ((130,), 256, 128), ((1,), 16, 16)])
+def test_matches_float64_on_quantized_operands(recipe, shape):
+    lead, n, k = shape
+    x, w, b, dy = data(lead, n, k, ("ref", recipe))
+    state = lowbit.fp8_state(recipe)
+    for step in range(3 if recipe.name == "delayed" else 1):
+        check_step(x * (1 + step), w, b, dy, recipe, state)
+
+
+def test_delayed_history_rolls_and_scales_lag_one_step():
+    recipe = Fp8Recipe("delayed", amax_history_len=3)
+    state = lowbit.fp8_state(recipe)
+    assert state.shape == (3, 3) and state.dtype == torch.float32 and not state.any()
+    x, w, b, dy = data((16,), 32, 64, ("history",))
+    amaxes = []
+    for step in range(4):
+        xs = x * (step + 1)
+        run(xs, w, b, dy, recipe, state)
+        amaxes.append(xs.float().abs().amax())
+        want = torch.stack(amaxes[::-1][:3] + [torch.tensor(0.0)] * (3 - len(amaxes[:3])))[:3]
+        assert torch.equal(state[0], want)
+        assert torch.equal(state[1], torch.full((3,), w.abs().amax().item()).where(torch.arange(3) <= step, 0.0))
+        assert state[2, 0] == dy.float().abs().amax()
+
+
+def test_stateless_recipes_have_empty_state():
+    for name in ("tensorwise", "rowwise", "blockwise"):
+        assert lowbit.fp8_state(Fp8Recipe(name)).shape == (0,)
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="name must be one of"):
+        Fp8Recipe("current")
+    with pytest.raises(ValueError, match="grad_format"):
+        Fp8Recipe(grad_format="e3m4")
+    with pytest.raises(ValueError, match="amax_history_len"):
+        Fp8Recipe("delayed", amax_history_len=0)
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2], RECIPES[4], RECIPES[6]], ids=lambda r: r.name)
+def test_empty_batch(recipe):
+    x, w, b, dy = data((0,), 32, 64, ("empty",))
+    state = lowbit.fp8_state(recipe)
+    y, dx, dw, db = run(x, w, b, dy, recipe, state)
+    assert y.shape == (0, 32) and dx.shape == (0, 64)
+    assert torch.equal(dw, torch.zeros(32, 64)) and torch.equal(db, torch.zeros(32))
+
+
+def test_gradients_only_where_asked():
+    recipe = Fp8Recipe("rowwise")
+    x, w, b, _ = data((8,), 16, 32, ("needs",))
+    w.requires_grad_()
+    y = lowbit.fp8_linear(x, w, recipe=recipe, state=lowbit.fp8_state(recipe))
+    y.float().sum().backward()
+    assert w.grad is not None and w.grad.shape == (16, 32)
+    with torch.no_grad():
+        assert lowbit.fp8_linear(x, w, b, recipe=recipe, state=lowbit.fp8_state(recipe)).shape == (8, 16)
+
+
+# test_schema compares every argument of every op inside the op with
+# torch.allclose (SchemaCheckMode), which has no float8 kernel on the CPU;
+# these ops compute on FP8 tensors, so they run the other three tests.
+OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[3], RECIPES[5], RECIPES[7]], ids=lambda r: r.name)
+def test_opcheck(recipe):
+    x, w, b, dy = data((40,), 48, 160, ("opcheck",))
+    args = (recipe.name, recipe.grad_format, recipe.amax_compute, recipe.margin, recipe.pow2_scales)
+    state = lowbit.fp8_state(recipe)
+    fwd = torch.ops.lowbit.fp8_linear_forward.default
+    torch.library.opcheck(fwd, (x, w, b, state, *args, True, True), test_utils=OPCHECK_UTILS)
+    _, x_t, x_t_s, w_t, w_t_s = fwd(x, w, b, state, *args, True, True)
+    bwd = torch.ops.lowbit.fp8_linear_backward.default
+    torch.library.opcheck(bwd, (dy, x_t, x_t_s, w_t, w_t_s, state, *args, torch.float32, torch.float32, True, True),
+                          test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(bwd, (dy, x_t, x_t_s, w_t, w_t_s, state, *args, torch.float32, None, True, False),
+                          test_utils=OPCHECK_UTILS)
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, recipe, k=64, h=96, n=32):
+        super().__init__()
+        self.recipe = recipe
+        self.l1 = torch.nn.Linear(k, h)
+        self.l2 = torch.nn.Linear(h, n, bias=False)
+        self.register_buffer("s1", lowbit.fp8_state(recipe))
+        self.register_buffer("s2", lowbit.fp8_state(recipe))
+
+    def forward(self, x):
+        h = lowbit.fp8_linear(x, self.l1.weight, self.l1.bias, recipe=self.recipe, state=self.s1)
+        return lowbit.fp8_linear(torch.relu(h), self.l2.weight, recipe=self.recipe, state=self.s2)
+
+
+def lowbit_nodes(gm):
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if "auto_functionalized" in str(target) and node.args:
+            target = node.args[0]
+        if "lowbit" in str(target):
+            names.append(str(target).split(".")[-2] if str(target).endswith("default") else str(target))
+    return names
+
+
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2], RECIPES[4], RECIPES[6]], ids=lambda r: r.name)
+def test_compile_one_node_per_layer_per_direction_and_eager_equal(recipe):
+    graphs = {"fw": [], "bw": []}
+
+    def keep(kind):
+        def compiler(gm, _):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), keep_inference_input_mutations=True)
+    torch.manual_seed(0)
+    eager = TwoLayers(recipe)
+    compiled_model = TwoLayers(recipe)
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True, dynamic=True)
+    for step in range(3):
+        x = torch.randn(3, 17 + step, 64, generator=seeded("compile", step)).to(torch.bfloat16)
+        outs = []
+        for model, fn in ((eager, eager), (compiled_model, compiled)):
+            model.zero_grad()
+            xx = x.clone().requires_grad_()
+            y = fn(xx)
+            y.float().square().sum().backward()
+            outs.append([y, xx.grad] + [p.grad for p in model.parameters()] + [model.s1.clone(), model.s2.clone()])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+    fw, bw = graphs["fw"], graphs["bw"]
+    assert len(fw) == 1 and len(bw) == 1, (len(fw), len(bw))
+    assert lowbit_nodes(fw[0]) == ["fp8_linear_forward"] * 2, lowbit_nodes(fw[0])
+    assert lowbit_nodes(bw[0]) == ["fp8_linear_backward"] * 2, lowbit_nodes(bw[0])
+
+
+# Token counts from 2 up: dynamic shapes specialize sizes 0 and 1, and the
+# blockwise scales' ceil(M / 128) specializes at 1 (one recompile when M
+# first exceeds 128).
+@pytest.mark.parametrize("recipe", [RECIPES[2], RECIPES[4], RECIPES[6]], ids=lambda r: r.name)
+def test_dynamic_no_recompile_across_token_counts(recipe):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    model = TwoLayers(recipe)
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for m in ((130, 200, 777) if recipe.name == "blockwise" else (5, 64, 200, 2)):
+        x = torch.randn(m, 64, generator=seeded("dyn", m), requires_grad=True)
+        compiled(x).sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w, b, _ = data((4,), 16, 32, ("bad",))
+    state = lowbit.fp8_state(Fp8Recipe("delayed"))
+    fwd = torch.ops.lowbit.fp8_linear_forward
+    with pytest.raises(ValueError, match=r"argument 'recipe' must be \"tensorwise\", .*got \"mixed\""):
+        fwd(x, w, b, state, "mixed")
+    with pytest.raises(ValueError, match=r"argument 'weight' \[N, K\] must have the K of 'x'"):
+        fwd(x, w[:, :16], b, state, "delayed")
+    with pytest.raises(ValueError, match=r"argument 'amax_history' must have shape \[3, L\]"):
+        fwd(x, w, b, torch.zeros(2, 4), "delayed")
+    with pytest.raises(TypeError, match=r"argument 'amax_history' must have dtype Float"):
+        fwd(x, w, b, torch.zeros(3, 4, dtype=torch.float64), "delayed")
+    with pytest.raises(ValueError, match=r"argument 'bias' must have shape \[16\]"):
+        fwd(x, w, b[:4], state, "delayed")
+    with pytest.raises(ValueError, match=r"argument 'amax_compute' must be \"max\" or \"most_recent\""):
+        fwd(x, w, b, state, "delayed", "e4m3", "mean")
+    with pytest.raises(ValueError, match="must have the same K"):
+        lowbit.fp8_linear(x, w[:, :16], recipe=Fp8Recipe(), state=lowbit.fp8_state(Fp8Recipe()))
+
+
+# ---- CUDA (skipped without a GPU) ---------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("shape", [((4, 64), 512, 1024), ((37,), 48, 300)])
+def test_cuda_matches_float64_and_cpu_state(recipe, shape):
+    lead, n, k = shape
+    x, w, b, dy = data(lead, n, k, ("cuda", recipe))
+    state = lowbit.fp8_state(recipe, "cuda")
+    cpu_state = lowbit.fp8_state(recipe)
+    for step in range(2):
+        xs = x * (1 + step)
+        history = state.cpu()
+        y, dx, dw, db = run(xs.cuda(), w.cuda(), b.cuda(), dy.cuda(), recipe, state)
+        run(xs, w, b, dy, recipe, cpu_state)
+        assert torch.equal(state.cpu(), cpu_state)  # the casts agree bit for bit, so do the amaxes
+        x2, dy2 = xs.reshape(-1, k), dy.reshape(-1, n)
+        ops = ref.linear_operands(x2, w, dy2, recipe, history)
+        y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
+        cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
+        acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", torch.bfloat16)
+        ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc + b.abs().double() * 2.0**-7, eps)
+        acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", torch.bfloat16)
+        ref.assert_gemm_close(dx.reshape(dx_ref.shape), dx_ref, acc, eps)
+        acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", torch.float32)
+        ref.assert_gemm_close(dw, dw_ref, acc, eps)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2], RECIPES[4], RECIPES[6]], ids=lambda r: r.name)
+def test_cuda_graph_forward_backward_bitwise_equal_to_eager(recipe):
+    torch.manual_seed(0)
+    model = TwoLayers(recipe, k=256, h=512, n=128).cuda()
+    eager = TwoLayers(recipe, k=256, h=512, n=128).cuda()
+    static_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(m, x):
+        y = m(x)
+        y.float().square().sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.zero_grad(set_to_none=False)
+            step(model, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_y = step(model, static_x)
+    for i in range(3):
+        static_x.copy_(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+        eager.load_state_dict(model.state_dict())  # same weights and history before the step
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        eager.zero_grad()
+        y = step(eager, static_x.clone())
+        assert torch.equal(static_y, y)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert torch.equal(model.s1, eager.s1) and torch.equal(model.s2, eager.s2)
