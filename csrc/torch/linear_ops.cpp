@@ -1,8 +1,9 @@
-// Bindings of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: validation and the CPU
-// and Meta kernels (CUDA in linear_ops_cuda.cpp). The CPU Linear is
-// the reference: unpack the prepacked weight to FP32, an FP32 matmul, the
-// bias added in FP32, the result in x's dtype; in the FP8 mode, the same on
-// the E4M3-rounded rows with their scales. Also the plan strings of
+// Bindings of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_to_fp8 /
+// nvfp4_linear: validation and the CPU and Meta kernels (CUDA in
+// linear_ops_cuda.cpp). The CPU Linear is the reference: unpack the
+// prepacked weight to FP32, an FP32 matmul, the bias added in FP32, the
+// result in x's dtype; on the FP8 path, the same on the E4M3-rounded rows
+// (the core's reference loops) with their scales. Also the plan strings of
 // lowbit::_nvfp4_linear_with_plan (one path on the CPU: checked, then
 // unused) and lowbit::_explain_linear_plan.
 #include "linear_ops.h"
@@ -23,6 +24,7 @@ namespace {
 constexpr const char* kPrepack = "nvfp4_prepack";
 constexpr const char* kUnpack = "nvfp4_unpack";
 constexpr const char* kUnprepack = "nvfp4_unprepack";
+constexpr const char* kToFp8 = "nvfp4_to_fp8";
 constexpr const char* kLinear = "nvfp4_linear";
 constexpr const char* kGrouped = "nvfp4_grouped_linear";
 constexpr const char* kLinearWithPlan = "_nvfp4_linear_with_plan";
@@ -197,7 +199,8 @@ std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, con
 }
 
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                  const c10::optional<at::Tensor>& weight_fp8, const c10::optional<at::Tensor>& weight_fp8_scale) {
   check_dtype(x, kLinear, "x", {at::kBFloat16, at::kHalf, at::kFloat});
   TORCH_CHECK_VALUE(x.dim() >= 1, "lowbit.", kLinear, ": argument 'x' must be at least 1-D, got shape ",
                     x.sym_sizes());
@@ -215,6 +218,50 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   }
   TORCH_CHECK_VALUE(fp8_min_rows >= 0, "lowbit.", kLinear,
                     ": argument 'fp8_min_rows' must be >= 0 (0: never the FP8 mode), got ", fp8_min_rows);
+  TORCH_CHECK_VALUE(weight_fp8.has_value() == weight_fp8_scale.has_value(), "lowbit.", kLinear,
+                    ": arguments 'weight_fp8' and 'weight_fp8_scale' must be given together (lowbit.nvfp4_to_fp8 "
+                    "makes both), got only '", weight_fp8.has_value() ? "weight_fp8" : "weight_fp8_scale", "'");
+  if (!weight_fp8.has_value()) return;
+  TORCH_CHECK_VALUE(fp8_min_rows > 0, "lowbit.", kLinear,
+                    ": argument 'weight_fp8' is used only by the FP8 path, so 'fp8_min_rows' must be > 0 with it "
+                    "(1: every call), got 0");
+  check_dtype(*weight_fp8, kLinear, "weight_fp8", {at::kFloat8_e4m3fn, at::kByte});
+  check_same_device(*weight_fp8, x, kLinear, "weight_fp8", "x");
+  check_shape(*weight_fp8, c10::SymDimVector{weight.sym_size(0), x.sym_sizes().back()}, kLinear, "weight_fp8");
+  check_dtype(*weight_fp8_scale, kLinear, "weight_fp8_scale", {at::kFloat});
+  check_same_device(*weight_fp8_scale, x, kLinear, "weight_fp8_scale", "x");
+  check_shape(*weight_fp8_scale, c10::SymDimVector{weight.sym_size(0)}, kLinear, "weight_fp8_scale");
+}
+
+void check_to_fp8(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                  const c10::SymInt& k) {
+  TORCH_CHECK_VALUE(k >= 0 && k % nvfp4::kBlockSize == 0, "lowbit.", kToFp8,
+                    ": argument 'k' must be a multiple of 16 (>= 0), got ", k);
+  check_same_device(weight_scale, weight, kToFp8, "weight_scale", "weight");
+  check_same_device(weight_global, weight, kToFp8, "weight_global", "weight");
+  check_prepacked_weight(kToFp8, weight, weight_scale, &weight_global, k, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> empty_to_fp8_outputs(const at::Tensor& weight, const c10::SymInt& k) {
+  return {at::empty_symint(c10::SymDimVector{weight.sym_size(0), k}, weight.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty_symint(c10::SymDimVector{weight.sym_size(0)}, weight.options().dtype(at::kFloat))};
+}
+
+nvfp4::gemm::Fp8WeightArgs to_fp8_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                       const at::Tensor& weight_global, std::tuple<at::Tensor, at::Tensor>& out) {
+  nvfp4::gemm::Fp8WeightArgs a{};
+  a.weight = weight.data_ptr<uint8_t>();
+  a.scale = weight_scale.data_ptr<uint8_t>();
+  a.global_scale = weight_global.data_ptr<float>();
+  a.n = std::get<0>(out).size(0);
+  a.k = std::get<0>(out).size(1);
+  a.out = reinterpret_cast<uint8_t*>(std::get<0>(out).data_ptr());
+  a.row_scale = std::get<1>(out).data_ptr<float>();
+  return a;
+}
+
+at::Tensor fp8_codes(const at::Tensor& weight_fp8) {
+  return weight_fp8.scalar_type() == at::kByte ? weight_fp8.view(at::kFloat8_e4m3fn) : weight_fp8;
 }
 
 void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -272,51 +319,87 @@ at::Tensor unpacked_cpu(const at::Tensor& w, const at::Tensor& s, const at::Tens
   return out;
 }
 
-// The FP8 mode's rounding of FP32 rows `v` [R, K] (nvfp4_linear.h,
-// Fp8WeightArgs): the E4M3 values (as FP32) and each row's amax / 448.
-std::tuple<at::Tensor, at::Tensor> fp8_rows_reference(const at::Tensor& v) {
-  using nvfp4::gemm::kE4m3Max;
-  const at::Tensor amax = v.abs().amax(1);
-  const at::Tensor r = at::where(amax > 0, at::div(at::scalar_tensor(kE4m3Max, amax.options()), amax),
-                                 at::zeros_like(amax));
-  const at::Tensor codes = (v * r.unsqueeze(1)).to(at::kFloat8_e4m3fn).to(at::kFloat);
-  return {codes, amax};
+// The weight's FP8 form by the core's reference loops (nvfp4_linear.h, the
+// rule): codes float8_e4m3fn [N, K] and row scales float32 [N].
+std::tuple<at::Tensor, at::Tensor> to_fp8_cpu_impl(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                                   const at::Tensor& weight_global, int64_t k) {
+  auto w = weight.contiguous();
+  auto s = weight_scale.contiguous();
+  auto g = weight_global.contiguous();
+  auto out = empty_to_fp8_outputs(w, k);
+  if (w.size(0) > 0 && k > 0) nvfp4::gemm::fp8_weight_cpu(to_fp8_args(w, s, g, out));
+  else std::get<1>(out).zero_();  // K = 0: amax 0, scale 0
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> to_fp8_cpu(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                              const at::Tensor& weight_global, int64_t k) {
+  check_to_fp8(weight, weight_scale, weight_global, k);
+  return to_fp8_cpu_impl(weight, weight_scale, weight_global, k);
+}
+
+std::tuple<at::Tensor, at::Tensor> to_fp8_meta(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                               const at::Tensor& weight_global, c10::SymInt k) {
+  check_to_fp8(weight, weight_scale, weight_global, k);
+  return empty_to_fp8_outputs(weight, k);
+}
+
+// x [M, K] (contiguous) rounded per row by the core's reference loops:
+// codes float8_e4m3fn [M, K] and row scales float32 [M].
+std::tuple<at::Tensor, at::Tensor> fp8_rows_cpu_impl(const at::Tensor& x2) {
+  at::Tensor codes = at::empty(x2.sizes(), x2.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::zeros({x2.size(0)}, x2.options().dtype(at::kFloat));
+  nvfp4::gemm::Fp8RowsArgs a{};
+  a.x = x2.data_ptr();
+  a.dtype = to_lowbit_dtype(x2.scalar_type());
+  a.m = x2.size(0);
+  a.k = x2.size(1);
+  a.out = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  a.row_scale = scale.data_ptr<float>();
+  if (a.m > 0 && a.k > 0) nvfp4::gemm::fp8_rows_cpu(a);
+  return {codes, scale};
 }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                      const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+                      const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                      const c10::optional<at::Tensor>& weight_fp8, const c10::optional<at::Tensor>& weight_fp8_scale) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, weight_fp8, weight_fp8_scale);
   const int64_t k = x.size(-1);
+  const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   auto w = weight.contiguous();
   auto s = weight_scale.contiguous();
-  return linear_reference(x, weight_global.contiguous(), bias, fp8_min_rows,
+  if (linear_uses_fp8(m, fp8_min_rows) && k > 0) {
+    // The FP8 path: W's codes cached (weight_fp8) or made now, x's now.
+    auto [w8, w_scale] = weight_fp8.has_value()
+                             ? std::make_tuple(fp8_codes(*weight_fp8), *weight_fp8_scale)
+                             : to_fp8_cpu_impl(w, s, weight_global, k);
+    auto [x8, x_scale] = fp8_rows_cpu_impl(x.reshape({m, k}).contiguous());
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = w.size(0);
+    return fp8_linear_reference(x8, x_scale, w8, w_scale, bias, out_shape, x.scalar_type());
+  }
+  return linear_reference(x, weight_global.contiguous(), bias,
                           [&](const at::Tensor& global) { return unpacked_cpu(w, s, global, k, at::kFloat); });
 }
 
 }  // namespace
 
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
-                            const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                            const c10::optional<at::Tensor>& bias,
                             const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32) {
-  const int64_t k = x.size(-1);
-  const int64_t m = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
-  at::Tensor y;
-  if (linear_uses_fp8(m, fp8_min_rows) && k > 0) {
-    // The FP8 mode: e2m1 * block scale per W row and x per row rounded to
-    // E4M3, an FP32 GEMM of the codes, the row scales (the global scale in
-    // W's) applied to the FP32 sums.
-    using nvfp4::gemm::kE4m3Max;
-    auto [w8, w_amax] = fp8_rows_reference(unpack_fp32(at::ones({}, weight_global.options())));
-    auto [x8, x_amax] = fp8_rows_reference(x.reshape({m, k}).to(at::kFloat));
-    const at::Tensor w_scale = w_amax * weight_global / kE4m3Max, x_scale = x_amax / kE4m3Max;
-    std::vector<int64_t> out_shape = x.sizes().vec();
-    out_shape.back() = w8.size(0);
-    y = (at::matmul(x8, w8.t()) * x_scale.unsqueeze(1) * w_scale.unsqueeze(0)).view(out_shape);
-  } else {
-    y = at::matmul(x.to(at::kFloat), unpack_fp32(weight_global).t());
-  }
+  at::Tensor y = at::matmul(x.to(at::kFloat), unpack_fp32(weight_global).t());
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type());
+}
+
+at::Tensor fp8_linear_reference(const at::Tensor& x8, const at::Tensor& x_scale, const at::Tensor& w8,
+                                const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                                at::IntArrayRef out_shape, at::ScalarType dtype) {
+  // Products of E4M3 values are exact in FP32; the sums round in FP32.
+  at::Tensor y = at::matmul(x8.to(at::kFloat), w8.to(at::kFloat).t());
+  y = (y * x_scale.unsqueeze(1) * w_scale.unsqueeze(0)).view(out_shape);
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y.to(dtype);
 }
 
 namespace {
@@ -367,8 +450,9 @@ std::tuple<at::Tensor, at::Tensor> unprepack_meta(const at::Tensor& weight, cons
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                       const c10::optional<at::Tensor>& weight_fp8, const c10::optional<at::Tensor>& weight_fp8_scale) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, weight_fp8, weight_fp8_scale);
   return at::empty_symint(linear_output_shape(x, weight), x.options());
 }
 
@@ -376,14 +460,14 @@ at::Tensor linear_with_plan_cpu(const at::Tensor& x, const at::Tensor& weight, c
                                 const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
                                 int64_t fp8_min_rows, c10::string_view plan) {
   parse_linear_plan(plan, kLinearWithPlan);
-  return linear_cpu(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+  return linear_cpu(x, weight, weight_scale, weight_global, bias, fp8_min_rows, c10::nullopt, c10::nullopt);
 }
 
 at::Tensor linear_with_plan_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
                                  int64_t fp8_min_rows, c10::string_view plan) {
   parse_linear_plan(plan, kLinearWithPlan);
-  return linear_meta(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+  return linear_meta(x, weight, weight_scale, weight_global, bias, fp8_min_rows, c10::nullopt, c10::nullopt);
 }
 
 }  // namespace
@@ -434,6 +518,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cpu);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cpu);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cpu);
+  m.impl("nvfp4_to_fp8", &lowbit::ops::to_fp8_cpu);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cpu);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cpu);
   m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_cpu);
@@ -443,6 +528,7 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_meta);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_meta);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_meta);
+  m.impl("nvfp4_to_fp8", &lowbit::ops::to_fp8_meta);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_meta);
   m.impl("nvfp4_linear", &lowbit::ops::linear_meta);
   m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_meta);

@@ -62,10 +62,14 @@ std::tuple<at::Tensor, at::Tensor> unprepacked_cpu(const at::Tensor& weight, con
 //
 // Checks x [..., K] bf16/fp16/fp32, the prepacked weight [N, Kp/2] and
 // scales [N, (2 Kp - K)/16] (Kp = K rounded up to 128) prepacked for x's K,
-// global [] fp32 and bias [N] in x's dtype, all on x's device, and
-// fp8_min_rows >= 0.
+// global [] fp32 and bias [N] in x's dtype, all on x's device,
+// fp8_min_rows >= 0, and the cached FP8 weight: weight_fp8 [N, K]
+// float8_e4m3fn (or uint8 codes) with weight_fp8_scale [N] float32, both or
+// neither, only with fp8_min_rows > 0 (the FP8 path is what uses them).
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows);
+                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                  const c10::optional<at::Tensor>& weight_fp8 = c10::nullopt,
+                  const c10::optional<at::Tensor>& weight_fp8_scale = c10::nullopt);
 c10::SymDimVector linear_output_shape(const at::Tensor& x, const at::Tensor& weight);
 
 // Checks x [..., G, K] (bf16/fp16/fp32), n_groups G >= 1, max_fused_rows
@@ -76,18 +80,38 @@ void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const a
                           const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows);
 c10::SymDimVector grouped_linear_output_shape(const at::Tensor& x, const at::Tensor& weight, int64_t n_groups);
 
-// Whether a call of m rows runs the FP8 mode (nvfp4_linear.h, Fp8WeightArgs):
+// Whether a call of m rows runs the FP8 path (nvfp4_linear.h, the rule):
 // fp8_min_rows > 0 and m >= fp8_min_rows.
 inline bool linear_uses_fp8(int64_t m, int64_t fp8_min_rows) { return fp8_min_rows > 0 && m >= fp8_min_rows; }
 
+// Checks the prepacked weight, scales and global of lowbit::nvfp4_to_fp8
+// for K (as check_unpack), on one device.
+void check_to_fp8(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_global,
+                  const c10::SymInt& k);
+// Its outputs: codes float8_e4m3fn [N, K] and row scales float32 [N].
+std::tuple<at::Tensor, at::Tensor> empty_to_fp8_outputs(const at::Tensor& weight, const c10::SymInt& k);
+// Core arguments for contiguous weight / scales / global and those outputs
+// (row_amax left null: the CUDA binding sets its scratch).
+nvfp4::gemm::Fp8WeightArgs to_fp8_args(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                       const at::Tensor& weight_global, std::tuple<at::Tensor, at::Tensor>& out);
+// The cached FP8 weight as float8_e4m3fn (a view of uint8 codes).
+at::Tensor fp8_codes(const at::Tensor& weight_fp8);
+
 // The reference Linear in ATen ops on x's device (the CPU kernel; the CUDA
-// kernel for float32 x, which the fused and FP8 kernels do not take):
-// `unpack_fp32(global)` returns the weight [N, K] in FP32 times `global` (a
-// float32 [] tensor); FP32 products, the bias added in FP32, the result in
-// x's dtype; from fp8_min_rows rows the FP8 mode's rule (nvfp4_linear.h).
+// kernel for float32 x, which the fused kernels and cuBLASLt's FP8 GEMM do
+// not take): `unpack_fp32(global)` returns the weight [N, K] in FP32 times
+// `global` (a float32 [] tensor); FP32 products, the bias added in FP32,
+// the result in x's dtype.
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
-                            const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                            const c10::optional<at::Tensor>& bias,
                             const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32);
+// The FP8 path's product in ATen ops on their device: x8 [M, K] and w8
+// [N, K] E4M3 codes with their row scales [M] and [N] (nvfp4_linear.h, the
+// rule), the codes' products summed in FP32, times both scales, the bias
+// added in FP32, one rounding to `dtype`; shaped `out_shape` ([..., N]).
+at::Tensor fp8_linear_reference(const at::Tensor& x8, const at::Tensor& x_scale, const at::Tensor& w8,
+                                const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                                at::IntArrayRef out_shape, at::ScalarType dtype);
 
 // The overrides a plan string forces (csrc/lowbit/linear/sm90_linear_plan.h,
 // "Overrides"), or ValueError naming `op` and the key.

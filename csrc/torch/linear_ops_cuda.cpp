@@ -1,11 +1,12 @@
-// CUDA kernels of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_linear: adapters to the core
-// launchers in csrc/lowbit/linear/. gemm::linear_plan picks the
+// CUDA kernels of lowbit::nvfp4_prepack / nvfp4_unpack / nvfp4_to_fp8 /
+// nvfp4_linear: adapters to the core launchers in csrc/lowbit/linear/. gemm::linear_plan picks the
 // kernel from M and the shape (the table in sm90_linear_plan.h: fused kernels up
 // to 2048 rows) and the workspace it needs (FP32 split-K partials, the wide
 // kernel's x image), taken from the caching allocator. Above that
 // (LinearPath::kUnpack) the weight is unpacked to x's dtype (global scale
 // included) into a temporary and cuBLAS runs through at::linear. From
-// fp8_min_rows rows (when set) the FP8 mode runs instead (linear_fp8_cuda).
+// fp8_min_rows rows (when set) the FP8 path runs instead (linear_fp8_cuda),
+// on the cached FP8 weight when the call passes one.
 // lowbit::_nvfp4_linear_with_plan runs the same with a plan string's
 // overrides (tests and probes).
 #include <ATen/cuda/CUDAContext.h>
@@ -78,26 +79,50 @@ gemm::LinearArgs fused_args(const at::Tensor& x, const at::Tensor& w, const at::
   return a;
 }
 
-// The FP8 mode: W and x rounded to E4M3 per row (csrc/lowbit/linear/nvfp4_linear_fp8.cu),
-// then cuBLASLt's FP8 GEMM with the row scales and the bias in its epilogue.
+// The weight's FP8 form (nvfp4_linear.h, the rule) by the kernels of
+// csrc/lowbit/linear/nvfp4_linear_fp8.cu: codes [N, K] and row scales [N];
+// w and s contiguous and 16-byte aligned.
+std::tuple<at::Tensor, at::Tensor> to_fp8_impl(const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
+                                               int64_t k, cudaStream_t stream) {
+  auto out = empty_to_fp8_outputs(w, k);
+  if (k == 0) {
+    std::get<1>(out).zero_();  // amax 0, scale 0
+    return out;
+  }
+  at::Tensor amax = at::empty({w.size(0)}, w.options().dtype(at::kFloat));
+  gemm::Fp8WeightArgs a = to_fp8_args(w, s, g, out);
+  a.row_amax = amax.data_ptr<float>();
+  C10_CUDA_CHECK(gemm::fp8_weight_cuda(a, stream));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> to_fp8_cuda(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                               const at::Tensor& weight_global, int64_t k) {
+  check_supported_gpu(weight, "nvfp4_to_fp8");
+  check_to_fp8(weight, weight_scale, weight_global, k);
+  c10::cuda::CUDAGuard guard(weight.device());
+  return to_fp8_impl(contiguous_aligned(weight, 16), contiguous_aligned(weight_scale, 16), weight_global.contiguous(),
+                     k, c10::cuda::getCurrentCUDAStream());
+}
+
+// The FP8 path: W's codes (cached, or made now) and x's (now) rounded per
+// row by lowbit's kernels, then cuBLASLt's FP8 GEMM with the row scales and
+// the bias in its epilogue; float32 x, which that GEMM does not output,
+// gets the same codes multiplied in FP32 (fp8_linear_reference).
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
-                           const c10::optional<at::Tensor>& bias, cudaStream_t stream) {
-  const int64_t m = x2.size(0), k = x2.size(1), n = w.size(0);
-  at::Tensor w8 = at::empty({n, k}, x2.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor w_scale = at::empty({1, n}, x2.options().dtype(at::kFloat));
-  at::Tensor w_amax = at::empty({n}, x2.options().dtype(at::kFloat));
-  gemm::Fp8WeightArgs wa{};
-  wa.weight = w.data_ptr<uint8_t>();
-  wa.scale = s.data_ptr<uint8_t>();
-  wa.global_scale = g.data_ptr<float>();
-  wa.n = n;
-  wa.k = k;
-  wa.out = reinterpret_cast<uint8_t*>(w8.data_ptr());
-  wa.row_scale = w_scale.data_ptr<float>();
-  wa.row_amax = w_amax.data_ptr<float>();
-  C10_CUDA_CHECK(gemm::fp8_weight_cuda(wa, stream));
+                           const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight_fp8,
+                           const c10::optional<at::Tensor>& weight_fp8_scale, at::IntArrayRef out_shape,
+                           cudaStream_t stream) {
+  const int64_t m = x2.size(0), k = x2.size(1);
+  at::Tensor w8, w_scale;
+  if (weight_fp8.has_value()) {
+    w8 = fp8_codes(*weight_fp8);
+    w_scale = *weight_fp8_scale;
+  } else {
+    std::tie(w8, w_scale) = to_fp8_impl(w, s, g, k, stream);
+  }
   at::Tensor x8 = at::empty({m, k}, x2.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor x_scale = at::empty({m, 1}, x2.options().dtype(at::kFloat));
+  at::Tensor x_scale = at::empty({m}, x2.options().dtype(at::kFloat));
   gemm::Fp8RowsArgs xa{};
   xa.x = x2.data_ptr();
   xa.dtype = to_lowbit_dtype(x2.scalar_type());
@@ -106,14 +131,25 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   xa.out = reinterpret_cast<uint8_t*>(x8.data_ptr());
   xa.row_scale = x_scale.data_ptr<float>();
   C10_CUDA_CHECK(gemm::fp8_rows_cuda(xa, stream));
-  return at::_scaled_mm(x8, w8.t(), x_scale, w_scale, bias, c10::nullopt, x2.scalar_type(), /*use_fast_accum=*/false);
+  if (x2.scalar_type() == at::kFloat) {
+    return fp8_linear_reference(x8, x_scale, w8, w_scale, bias, out_shape, at::kFloat);
+  }
+  c10::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->contiguous();
+  // _scaled_mm takes row-major A and column-major B: W's codes [N, K]
+  // row-major are B^T; the scales [M, 1] and [1, N].
+  return at::_scaled_mm(x8, w8.contiguous().t(), x_scale.view({m, 1}), w_scale.contiguous().view({1, w8.size(0)}), b,
+                        c10::nullopt, x2.scalar_type(), /*use_fast_accum=*/false)
+      .view(out_shape);
 }
 
 // The Linear with the choices `overrides` force (none for the public op).
 at::Tensor linear_cuda_planned(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                                const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
-                               int64_t fp8_min_rows, const gemm::LinearPlanOverrides& overrides) {
-  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows);
+                               int64_t fp8_min_rows, const c10::optional<at::Tensor>& weight_fp8,
+                               const c10::optional<at::Tensor>& weight_fp8_scale,
+                               const gemm::LinearPlanOverrides& overrides) {
+  check_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows, weight_fp8, weight_fp8_scale);
   check_supported_gpu(x, "nvfp4_linear");
   c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -129,19 +165,18 @@ at::Tensor linear_cuda_planned(const at::Tensor& x, const at::Tensor& weight, co
   auto w = contiguous_aligned(weight, 16);
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
+  if (linear_uses_fp8(m, fp8_min_rows)) {
+    return linear_fp8_cuda(contiguous_aligned(x, 16).view({m, k}), w, s, g, bias, weight_fp8, weight_fp8_scale,
+                           out_shape, stream);
+  }
   if (x.scalar_type() == at::kFloat) {
-    // The fused and FP8 kernels take bf16/fp16 x: float32 x runs the CPU's
-    // formula on the device (the weight unpacked to FP32, an FP32 matmul).
-    return linear_reference(x, g, bias, fp8_min_rows, [&](const at::Tensor& global) {
+    // The fused kernels take bf16/fp16 x: float32 x runs the CPU's formula
+    // on the device (the weight unpacked to FP32, an FP32 matmul).
+    return linear_reference(x, g, bias, [&](const at::Tensor& global) {
       return unpacked_cuda(w, s, global, k, at::kFloat, stream);
     });
   }
   at::Tensor x2 = contiguous_aligned(x, 16).view({m, k});
-  if (linear_uses_fp8(m, fp8_min_rows)) {
-    c10::optional<at::Tensor> b;
-    if (bias.has_value()) b = bias->contiguous();
-    return linear_fp8_cuda(x2, w, s, g, b, stream).view(out_shape);
-  }
   const gemm::LinearPlan plan = gemm::linear_plan(m, n, k, overrides);
   if (plan.path == gemm::LinearPath::kUnpack) {
     return at::linear(x2, unpacked_cuda(w, s, g, k, x.scalar_type(), stream), bias).view(out_shape);
@@ -163,14 +198,16 @@ at::Tensor linear_cuda_planned(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows) {
-  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows, {});
+                       const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias, int64_t fp8_min_rows,
+                       const c10::optional<at::Tensor>& weight_fp8, const c10::optional<at::Tensor>& weight_fp8_scale) {
+  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows, weight_fp8, weight_fp8_scale,
+                             {});
 }
 
 at::Tensor linear_with_plan_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_global, const c10::optional<at::Tensor>& bias,
                                  int64_t fp8_min_rows, c10::string_view plan) {
-  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows,
+  return linear_cuda_planned(x, weight, weight_scale, weight_global, bias, fp8_min_rows, c10::nullopt, c10::nullopt,
                              parse_linear_plan(plan, "_nvfp4_linear_with_plan"));
 }
 
@@ -196,7 +233,8 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
   auto s = contiguous_aligned(weight_scale, 16);
   auto g = weight_global.contiguous();
   if (m * n_groups <= max_fused_rows) {
-    at::Tensor every = linear_cuda(x.reshape({m * n_groups, k}), weight, weight_scale, weight_global, c10::nullopt, 0);
+    at::Tensor every = linear_cuda(x.reshape({m * n_groups, k}), weight, weight_scale, weight_global, c10::nullopt, 0,
+                                   c10::nullopt, c10::nullopt);
     // Contiguous, as the Meta kernel says: compiled graphs and AOTInductor
     // packages read the output by the strides the Meta kernel gives.
     return every.view({m, n_groups, n_groups, n}).diagonal(0, 1, 2).transpose(1, 2).contiguous().view(out_shape);
@@ -232,6 +270,7 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_prepack", &lowbit::ops::prepack_cuda);
   m.impl("nvfp4_unpack", &lowbit::ops::unpack_weight_cuda);
   m.impl("nvfp4_unprepack", &lowbit::ops::unprepack_cuda);
+  m.impl("nvfp4_to_fp8", &lowbit::ops::to_fp8_cuda);
   m.impl("nvfp4_grouped_linear", &lowbit::ops::grouped_linear_cuda);
   m.impl("nvfp4_linear", &lowbit::ops::linear_cuda);
   m.impl("_nvfp4_linear_with_plan", &lowbit::ops::linear_with_plan_cuda);

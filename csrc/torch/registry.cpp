@@ -63,8 +63,13 @@ TORCH_LIBRARY(lowbit, m) {
   // the same layout on every device; the shapes record K, which the ops
   // check against x's (or the argument k). nvfp4_linear: x [..., K] -> [..., N] in x's
   // dtype, y = x W^T * weight_global (+ bias [N], x's dtype). From
-  // fp8_min_rows rows of x (0: never) it runs the FP8 mode instead: W and x
-  // rounded to E4M3 per row, an FP8 GEMM (the rule: csrc/lowbit/linear/nvfp4_linear.h).
+  // fp8_min_rows rows of x (0: never; the choice inside the op, so one graph
+  // serves every M) it runs the FP8 path instead: W and x rounded to E4M3
+  // per row, an FP8 GEMM (the rule: csrc/lowbit/linear/nvfp4_linear.h). W's
+  // E4M3 form is weight_fp8 [N, K] / weight_fp8_scale float32 [N] when given
+  // (made once by nvfp4_to_fp8; only with fp8_min_rows > 0), else made on
+  // every such call. nvfp4_to_fp8: the prepacked weight for K in that form
+  // (float8_e4m3fn [N, K], float32 row scales [N], the global folded in).
   // nvfp4_unpack: the prepacked weight dequantized, [N, K] in `dtype` (global
   // scale included, one rounding); nvfp4_linear's backward uses it.
   // nvfp4_unprepack: the inverse of nvfp4_prepack, back to the checkpoint
@@ -84,7 +89,8 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("nvfp4_unpack(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k, ScalarType dtype) -> Tensor");
   m.def(
       "nvfp4_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_global, Tensor? bias=None, "
-      "int fp8_min_rows=0) -> Tensor");
+      "int fp8_min_rows=0, Tensor? weight_fp8=None, Tensor? weight_fp8_scale=None) -> Tensor");
+  m.def("nvfp4_to_fp8(Tensor weight, Tensor weight_scale, Tensor weight_global, SymInt k) -> (Tensor, Tensor)");
   // Private (tests and probes): nvfp4_linear with a plan string that forces
   // kernel choices of this call (csrc/lowbit/linear/sm90_linear_plan.h,
   // "Overrides"; "" is the shipped plan). The CPU has one path: the string

@@ -11,6 +11,7 @@ from .linear import (  # noqa: E402
     nvfp4_grouped_linear,
     nvfp4_linear,
     nvfp4_prepack,
+    nvfp4_to_fp8,
     nvfp4_unpack,
     nvfp4_unprepack,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "nvfp4_moe_unprepack",
     "nvfp4_prepack",
     "nvfp4_quantize",
+    "nvfp4_to_fp8",
     "nvfp4_unpack",
     "nvfp4_unprepack",
     "ops_library_path",

@@ -9,6 +9,11 @@ M <= 2048 rows (mma.sync up to 16 rows, then wgmma; the dispatch table is in
 ``csrc/lowbit/linear/sm90_linear_plan.h``); above that the weight is unpacked to x's
 dtype and cuBLAS runs. The CPU kernel (the reference) unpacks to FP32 and
 does an FP32 matmul.
+
+The FP8 path (``fp8_min_rows``) multiplies E4M3 forms of W and x on the
+FP8 tensor cores; W's form is made once by :func:`nvfp4_to_fp8` and passed
+as ``weight_fp8`` / ``weight_fp8_scale`` (what ``Nvfp4Linear(compute=...)``
+does), or made on every call without them.
 """
 
 from __future__ import annotations
@@ -69,6 +74,34 @@ def nvfp4_unpack(
     return torch.ops.lowbit.nvfp4_unpack(weight, weight_scale, weight_global, k, dtype)
 
 
+class Nvfp4Fp8Weight(NamedTuple):
+    """weight: float8_e4m3fn [N, K] codes, scale: float32 [N] row scales
+    (the global scale folded in): W ~= weight * scale[:, None]."""
+
+    weight: Tensor
+    scale: Tensor
+
+
+def nvfp4_to_fp8(weight: Tensor, weight_scale: Tensor, weight_global: Tensor, k: int) -> Nvfp4Fp8Weight:
+    """The prepacked weight (:func:`nvfp4_prepack`, ``k`` input features)
+    in the E4M3 form the FP8 path of :func:`nvfp4_linear` multiplies, made
+    once (at load time) instead of on every call: 1 byte a weight and 4 a
+    row, beside the NVFP4 weight's 0.5625 a weight.
+
+    The rule, per row of values v = e2m1 * block scale (exact in FP32, the
+    global scale left out), in FP32: amax = the largest |v| that is not NaN
+    (0 if none); r = 448 / amax (0 when amax is 0); code = E4M3(v * r)
+    rounded to nearest even, saturating at +-448, NaN to NaN, zeros keeping
+    their sign; scale = amax * weight_global / 448. The CPU kernel is the
+    reference (csrc/lowbit/linear/nvfp4_linear.h); the CUDA kernel gives
+    the same bits."""
+    w8, scale = torch.ops.lowbit.nvfp4_to_fp8(weight, weight_scale, weight_global, k)
+    return Nvfp4Fp8Weight(w8, scale)
+
+
+register_inference_only("nvfp4_to_fp8")
+
+
 def nvfp4_linear(
     x: Tensor,
     weight: Tensor,
@@ -76,6 +109,8 @@ def nvfp4_linear(
     weight_global: Tensor,
     bias: Tensor | None = None,
     fp8_min_rows: int = 0,
+    weight_fp8: Tensor | None = None,
+    weight_fp8_scale: Tensor | None = None,
 ) -> Tensor:
     """y = x W^T * weight_global (+ bias): x [..., K] bf16/fp16/fp32 (fp32:
     on CUDA the weight unpacked to FP32 and an FP32 matmul, as on the CPU),
@@ -83,29 +118,36 @@ def nvfp4_linear(
     float32 [] (ModelOpt's ``weight_scale_2``), bias [N] in x's dtype.
     Returns [..., N] in x's dtype.
 
-    ``fp8_min_rows`` > 0 turns on the FP8 mode for calls with at least that
-    many rows of x (the product of its leading dimensions): W and x are
+    ``fp8_min_rows`` > 0 turns on the FP8 path for calls with at least that
+    many rows of x (the product of its leading dimensions; the choice is
+    made inside the op, so one traced graph serves every M): W and x are
     rounded to FP8 E4M3 with one scale per row and multiplied on the FP8
-    tensor cores. Faster at large M (docs/perf/README.md), with an extra error of
-    about 4e-2 relative (README.md, Formats); 0, the default, never uses it.
+    tensor cores, with an extra error of about 4e-2 relative (README.md,
+    Formats); 0, the default, never uses it. ``weight_fp8`` /
+    ``weight_fp8_scale`` (from :func:`nvfp4_to_fp8` on the same weight;
+    only with ``fp8_min_rows`` > 0) are W's E4M3 form made once; without
+    them the FP8 path makes it on every call. Both give the same result:
+    the cached form only saves the per-call W pass.
 
     Differentiable in ``x`` (and ``bias``): the gradient is ``grad_y @ W``
-    with W unpacked to grad_y's dtype (:func:`nvfp4_unpack`; in the FP8 mode
+    with W unpacked to grad_y's dtype (:func:`nvfp4_unpack`; on the FP8 path
     too, i.e. straight through its rounding), so adapters such as LoRA can
     be trained on a frozen NVFP4 layer. The weight itself gets none."""
-    return torch.ops.lowbit.nvfp4_linear(x, weight, weight_scale, weight_global, bias, fp8_min_rows)
+    return torch.ops.lowbit.nvfp4_linear(
+        x, weight, weight_scale, weight_global, bias, fp8_min_rows, weight_fp8, weight_fp8_scale
+    )
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
-    x, weight, weight_scale, weight_global, _bias, _fp8_min_rows = inputs
+    x, weight, weight_scale, weight_global = inputs[:4]
     ctx.save_for_backward(weight, weight_scale, weight_global)
     ctx.k = x.shape[-1]
 
 
 def _linear_backward(ctx, grad_y: Tensor):
     # One gradient per argument passed: the dispatcher drops trailing
-    # arguments left at their defaults (bias, fp8_min_rows), so
-    # needs_input_grad may hold only x's and the weight's.
+    # arguments left at their defaults (bias, fp8_min_rows, the FP8
+    # weight), so needs_input_grad may hold only x's and the weight's.
     weight, weight_scale, weight_global = ctx.saved_tensors
     needs = ctx.needs_input_grad
     grads: list[Tensor | None] = [None] * len(needs)
@@ -134,8 +176,8 @@ def _nvfp4_linear_with_plan(
     separated by commas, e.g. ``"path=stream,stream_tiles=2"`` (the keys:
     csrc/lowbit/linear/sm90_linear_plan.h, "Overrides"); "" is the shipped
     plan. A bad item raises ValueError naming its key, on every device; the
-    CPU kernel has one path and leaves the plan unused, as do the FP8 mode
-    and float32 x on CUDA."""
+    CPU kernel has one path and leaves the plan unused, as do the FP8 path
+    (no cached FP8 weight here: made per call) and float32 x on CUDA."""
     return torch.ops.lowbit._nvfp4_linear_with_plan(x, weight, weight_scale, weight_global, bias, fp8_min_rows, plan)
 
 

@@ -59,29 +59,49 @@ struct LinearArgs {
   void* workspace;             // LinearPlan::workspace_bytes, 256-byte aligned (null when 0)
 };
 
-// The FP8 mode of the Linear (W4A8 on FP8 tensor cores; nvfp4_linear_fp8.cu):
-// W and x rounded to E4M3 with one FP32 scale per row, then an FP8 GEMM with
-// FP32 sums (the caller's: cuBLASLt through at::_scaled_mm). Per row of
-// values v (a W row: e2m1 * block scale, exact in FP32, the global scale left
-// out; an x row: x), in FP32 with one rounding per operation:
-//   amax = max |v|, r = 448 / amax (0 when amax is 0),
-//   code = e4m3(v * r), rounded to nearest even (|v * r| <= 448),
-//   row scale = amax * global / 448 for W, amax / 448 for x;
+// The FP8 path of the Linear (W4A8 on FP8 tensor cores): W and x rounded to
+// E4M3 with one FP32 scale per row, then an FP8 GEMM with FP32 sums (the
+// caller's: cuBLASLt through at::_scaled_mm). The one rounding rule, per
+// row of values v (a W row: e2m1 * block scale, exact in FP32, the global
+// scale left out; an x row: x), in FP32 with one rounding per operation:
+//   amax = the largest |v| among the row's values that are not NaN (0 if
+//          none): fp8_absmax,
+//   r = 448 / amax, 0 when amax is 0: fp8_row_reciprocal,
+//   code = e4m3(v * r), round to nearest even, saturating at +-448 (the
+//          product exceeds 448 by at most a rounding, which rounds to 448);
+//          NaN becomes E4M3 NaN 0x7F, zeros keep their sign (float_to_e4m3),
+//   row scale = amax * global / 448 for W, amax * 1 / 448 for x:
+//          fp8_row_scale;
 // y = (sum of code products) * x row scale * W row scale (+ bias), rounded
-// once to x's dtype. The CPU kernel is this rule's reference.
+// once to x's dtype. The W rows are made once per weight (fp8_weight_*,
+// lowbit::nvfp4_to_fp8, at load time) or on every call (the op's FP8 mode
+// without a cached weight); x rows on every call (fp8_rows_*). The CPU
+// loops (nvfp4_linear_cpu.cpp) are the rule's reference; the CUDA kernels
+// (nvfp4_linear_fp8.cu) compute the same codes and scales bit for bit.
 constexpr float kE4m3Max = 448.f;  // the largest finite E4M3 value
+
+// max(running, |v|) ignoring a NaN v (IEEE maxNum, as fmaxf and the
+// kernels' half-precision max): a NaN element codes as NaN by itself and
+// leaves the other elements' scale alone. running >= 0.
+LOWBIT_HD float fp8_absmax(float running, float v) {
+  const float a = v < 0.f ? -v : v;
+  return a > running ? a : running;  // false for NaN: running kept
+}
+LOWBIT_HD float fp8_row_reciprocal(float amax) { return amax > 0.f ? kE4m3Max / amax : 0.f; }
+LOWBIT_HD float fp8_row_scale(float amax, float global) { return amax * global / kE4m3Max; }
+
 struct Fp8WeightArgs {
   const uint8_t* weight;       // prepacked [N, Kp/2]
   const uint8_t* scale;        // prepacked [N, Kp/16]
-  const float* global_scale;   // [] (device pointer)
+  const float* global_scale;   // [] (device pointer on CUDA)
   int64_t n, k;
   uint8_t* out;                // [N, K] E4M3
   float* row_scale;            // [N]
-  float* row_amax;             // [N] scratch (CUDA)
+  float* row_amax;             // [N] scratch (CUDA; unused on the CPU)
 };
 struct Fp8RowsArgs {
   const void* x;               // [M, K] contiguous, 16-byte aligned, dtype
-  DType dtype;                 // kBFloat16 or kFloat16
+  DType dtype;                 // kBFloat16, kFloat16 or kFloat32
   int64_t m, k;                // k % 16 == 0
   uint8_t* out;                // [M, K] E4M3
   float* row_scale;            // [M]
@@ -90,6 +110,8 @@ struct Fp8RowsArgs {
 void prepack_cpu(const PrepackArgs& args);
 void unpack_cpu(const UnpackArgs& args);
 void unprepack_cpu(const UnprepackArgs& args);
+void fp8_weight_cpu(const Fp8WeightArgs& args);
+void fp8_rows_cpu(const Fp8RowsArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
 cudaError_t prepack_cuda(const PrepackArgs& args, cudaStream_t stream);

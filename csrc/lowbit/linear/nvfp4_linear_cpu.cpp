@@ -1,11 +1,14 @@
 // CPU reference of the NVFP4 Linear layout: prepack, unpack (to dequantized
-// values) and unprepack (back to the checkpoint layout). The CPU Linear is
-// unpack + an FP32 matmul in the binding.
+// values) and unprepack (back to the checkpoint layout); and the reference
+// of the FP8 path's rounding rule (nvfp4_linear.h): W rows and x rows to
+// E4M3 with a scale per row. The CPU Linear is unpack (or these roundings)
+// + an FP32 matmul in the binding.
 #include "lowbit/format/float_convert.h"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_linear_layout.h"
 
 #include <cstring>
+#include <vector>
 
 namespace lowbit::nvfp4::gemm {
 
@@ -68,6 +71,45 @@ void unprepack_cpu(const UnprepackArgs& a) {
         a.codes[n * (a.k / 2) + k / 2] |= static_cast<uint8_t>(code << (4 * (k & 1)));
       }
     }
+  }
+}
+
+void fp8_weight_cpu(const Fp8WeightArgs& a) {
+  const int64_t kp = padded_k(a.k);
+  const float global = *a.global_scale;
+  std::vector<float> v(static_cast<size_t>(a.k));
+  for (int64_t n = 0; n < a.n; ++n) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < a.k; ++k) {
+      const ElementPos p = element_pos(n, k, kp);
+      uint32_t word;
+      std::memcpy(&word, a.weight + p.word_byte, 4);
+      const uint32_t code = ((word >> p.slot.mag) & 7u) | (((word >> p.slot.sign) & 1u) << 3);
+      v[k] = decode_element(code, decode_scale(a.scale[p.scale_byte]), 1.f);  // exact: the global left out
+      amax = fp8_absmax(amax, v[k]);
+    }
+    const float r = fp8_row_reciprocal(amax);
+    for (int64_t k = 0; k < a.k; ++k) a.out[n * a.k + k] = float_to_e4m3(v[k] * r);
+    a.row_scale[n] = fp8_row_scale(amax, global);
+  }
+}
+
+void fp8_rows_cpu(const Fp8RowsArgs& a) {
+  std::vector<float> v(static_cast<size_t>(a.k));
+  for (int64_t m = 0; m < a.m; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < a.k; ++k) {
+      const int64_t i = m * a.k + k;
+      switch (a.dtype) {
+        case DType::kFloat32: v[k] = static_cast<const float*>(a.x)[i]; break;
+        case DType::kFloat16: v[k] = half_bits_to_float(static_cast<const uint16_t*>(a.x)[i]); break;
+        case DType::kBFloat16: v[k] = bf16_bits_to_float(static_cast<const uint16_t*>(a.x)[i]); break;
+      }
+      amax = fp8_absmax(amax, v[k]);
+    }
+    const float r = fp8_row_reciprocal(amax);
+    for (int64_t k = 0; k < a.k; ++k) a.out[m * a.k + k] = float_to_e4m3(v[k] * r);
+    a.row_scale[m] = fp8_row_scale(amax, 1.f);
   }
 }
 

@@ -1,6 +1,8 @@
-// The NVFP4 Linear's FP8 mode: the prepacked weight and x rounded to E4M3
-// with a scale per row (the rule in nvfp4_linear.h, Fp8WeightArgs), for an FP8
-// GEMM on the tensor cores (the caller runs it).
+// The NVFP4 Linear's FP8 path on CUDA: the prepacked weight (once, for
+// lowbit::nvfp4_to_fp8, or per call in the op's FP8 mode) and x rounded to
+// E4M3 with a scale per row, by the rule of nvfp4_linear.h (kE4m3Max), for
+// an FP8 GEMM on the tensor cores (the caller runs it). The CPU loops in
+// nvfp4_linear_cpu.cpp are the reference; these give the same bits.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -22,7 +24,7 @@ __device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4]) {
   return uint32_t(lo) | (uint32_t(hi) << 16);
 }
 
-// max over the CTA of each thread's `v` (>= 0), for every thread.
+// max over the CTA of each thread's `v` (>= 0, not NaN), for every thread.
 __device__ __forceinline__ float cta_max(float v, float* red) {
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
@@ -81,7 +83,8 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_weight_amax_kernel(const uint
   const uint4 w4 = __ldg(weight + i);
   const uint2 s2 = p.scales(scale);
   // Maxima of the decoded bf16 pairs (exact values: their max is exact),
-  // widened once: fewer instructions than widening every value.
+  // widened once: fewer instructions than widening every value. __hmax2
+  // returns the other operand for a NaN one, as fp8_absmax.
   __nv_bfloat162 max_lo = __float2bfloat162_rn(0.f), max_hi = max_lo;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -137,11 +140,11 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_weight_codes_kernel(
   const uint4 w4 = __ldg(weight + i);
   const uint2 s2 = p.scales(scale);
   const float max_lo = __uint_as_float(__ldg(row_amax + p.row)), max_hi = __uint_as_float(__ldg(row_amax + p.row + 8));
-  const float r_lo = max_lo > 0.f ? kE4m3Max / max_lo : 0.f, r_hi = max_hi > 0.f ? kE4m3Max / max_hi : 0.f;
+  const float r_lo = fp8_row_reciprocal(max_lo), r_hi = fp8_row_reciprocal(max_hi);
   if (p.tile % tiles_k == 0 && p.half == 0 && threadIdx.x % 4 == 0) {
     const float gs = __ldg(global_scale);
-    row_scale[p.row] = max_lo * gs / kE4m3Max;
-    row_scale[p.row + 8] = max_hi * gs / kE4m3Max;
+    row_scale[p.row] = fp8_row_scale(max_lo, gs);
+    row_scale[p.row + 8] = fp8_row_scale(max_hi, gs);
   }
   uint32_t codes_lo[4], codes_hi[4];
 #pragma unroll
@@ -179,11 +182,11 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restri
     float v[8];
     cuda::load8(src + 8 * c, v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < 8; ++i) amax = fp8_absmax(amax, v[i]);
   }
   amax = cta_max(amax, red);
-  const float r = amax > 0.f ? kE4m3Max / amax : 0.f;
-  if (threadIdx.x == 0) row_scale[row] = amax / kE4m3Max;
+  const float r = fp8_row_reciprocal(amax);
+  if (threadIdx.x == 0) row_scale[row] = fp8_row_scale(amax, 1.f);
   uint2* dst = reinterpret_cast<uint2*>(out + row * k);
 #pragma unroll 4
   for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
@@ -219,6 +222,9 @@ cudaError_t fp8_rows_cuda(const Fp8RowsArgs& a, cudaStream_t stream) {
   else if (a.dtype == DType::kFloat16)
     fp8_rows_kernel<__half><<<unsigned(a.m), kFp8Threads, 0, stream>>>(static_cast<const __half*>(a.x), a.k,
                                                                        a.out, a.row_scale);
+  else if (a.dtype == DType::kFloat32)
+    fp8_rows_kernel<float><<<unsigned(a.m), kFp8Threads, 0, stream>>>(static_cast<const float*>(a.x), a.k, a.out,
+                                                                      a.row_scale);
   else
     return cudaErrorInvalidValue;
   return cudaGetLastError();
