@@ -422,8 +422,9 @@ def load_checkpoint_(
     device: torch.device | str | None = None,
     device_map: str | Mapping[str, torch.device | str] | None = None,
     key_map: Callable[[str], str | None] | None = None,
-    fp8_min_rows: int = 0,
+    fp8_min_rows: int | None = None,
     progress: bool = True,
+    compute: str = "w4a16",
 ) -> LoadReport:
     """Loads the NVFP4 checkpoint directory ``path`` (safetensors files,
     sharded or not) into ``model`` in place, replacing its quantized layers
@@ -440,8 +441,11 @@ def load_checkpoint_(
     placed module then moves its inputs to its device, and the model its
     outputs to its input's device. ``key_map``
     renames a checkpoint key to the model's name for it (None drops it),
-    for checkpoints named otherwise than the model. ``fp8_min_rows``: as
-    :func:`lowbit.quantize_`, for the Linear layers.
+    for checkpoints named otherwise than the model. ``compute`` (and the
+    deprecated ``fp8_min_rows``): as :func:`lowbit.quantize_`, for the
+    Linear layers, whose FP8 copy (``"auto"``, ``"fp8"``) is made as each
+    is loaded; grouped layers and MoE experts stay W4A16 (FP8 compute for
+    them is not done yet).
 
     Raises ValueError, naming the key, for a tensor whose shape, dtype,
     value or format does not fit the model, a quantized format other than
@@ -453,8 +457,9 @@ def load_checkpoint_(
     from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
-    if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
-        raise ValueError(_err("fp8_min_rows", f"must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}"))
+    from .nn.linear import resolve_compute
+
+    mode, fp8_rows = resolve_compute("lowbit.load_checkpoint_", compute, fp8_min_rows)
     if key_map is not None and not callable(key_map):
         raise TypeError(_err("key_map", f"must be a callable (checkpoint key -> model name or None), got "
                                         f"{type(key_map).__name__}"))
@@ -570,7 +575,7 @@ def load_checkpoint_(
                 if bias is not None:
                     bias = bias.to(mod.bias.dtype if mod.bias.dtype != torch.float32 else torch.bfloat16)
                 layer = Nvfp4Linear.from_checkpoint(*tensors.load(shards, mod.out_features, mod.in_features), bias)
-                layer.fp8_min_rows = fp8_min_rows
+                layer._set_compute(mode, fp8_rows)
                 report.linear.append(prefix)
             elif mod is None:
                 report.unused.extend(renamed[k] for k in nvfp4[prefix].values())
@@ -771,15 +776,19 @@ def load_pretrained(
     device_map: str | Mapping[str, torch.device | str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
     key_map: Callable[[str], str | None] | None = None,
-    fp8_min_rows: int = 0,
+    fp8_min_rows: int | None = None,
     progress: bool = True,
+    compute: str = "w4a16",
 ) -> nn.Module:
     """A transformers causal LM built from the NVFP4 checkpoint directory
     ``path`` (its config.json; the model class must be in transformers),
     with lowbit's layers for the quantized ones (:func:`load_checkpoint_`),
     on ``device`` (default: the current CUDA device if there is one, else
     the CPU) or spread over devices by ``device_map`` (``"auto"``: every
-    visible GPU), unquantized tensors in ``dtype``, in eval mode."""
+    visible GPU), unquantized tensors in ``dtype``, in eval mode.
+    ``compute``: ``"w4a16"`` (default), ``"auto"`` or ``"fp8"`` for the
+    Linear layers, as :func:`lowbit.quantize_` (``fp8_min_rows``:
+    deprecated); the MoE experts and grouped layers stay W4A16."""
     try:
         import transformers
     except ImportError as e:
@@ -787,6 +796,9 @@ def load_pretrained(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"lowbit.load_pretrained: dtype must be a floating-point torch.dtype (the unquantized "
                          f"tensors' dtype), got {dtype!r}")
+    from .nn.linear import resolve_compute
+
+    resolve_compute("lowbit.load_pretrained", compute, None)  # before anything is built
     path = _check_path(path, "load_pretrained")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"lowbit.load_pretrained: path holds no config.json (the model's transformers "
@@ -806,7 +818,7 @@ def load_pretrained(
     if (path / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     load_checkpoint_(model, path, device=device, device_map=device_map, key_map=key_map, fp8_min_rows=fp8_min_rows,
-                     progress=progress)
+                     progress=progress, compute=compute)
     return model.eval()
 
 

@@ -21,28 +21,34 @@ def quantize_(
     model: nn.Module,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     progress: bool = True,
-    fp8_min_rows: int = 0,
+    fp8_min_rows: int | None = None,
     moe: bool = True,
+    compute: str = "w4a16",
 ) -> nn.Module:
     """Replaces, in place, the layers of ``model`` for which
     ``filter_fn(module, qualified_name)`` is true (all by default):
 
-    - each ``nn.Linear`` with an :class:`lowbit.nn.Nvfp4Linear`, in the FP8
-      mode from ``fp8_min_rows`` rows (0: never; see
-      :func:`lowbit.nvfp4_linear`). Skipped always: layers whose in or out
+    - each ``nn.Linear`` with an :class:`lowbit.nn.Nvfp4Linear` computing
+      as ``compute`` says: ``"w4a16"`` (the default), ``"auto"`` (the FP8
+      path from ``lowbit.nn.linear.AUTO_FP8_MIN_ROWS`` rows of x) or
+      ``"fp8"`` (always), the last two with W's FP8 copy made here (1 byte
+      a weight more; see :class:`lowbit.nn.Nvfp4Linear`). ``fp8_min_rows``
+      is deprecated: n is ``compute="auto"`` from n rows, 0 ``"w4a16"``.
+      Skipped always: layers whose in or out
       features are not multiples of 16, and subclasses of ``nn.Linear``
       with a ``forward`` of their own, which compute something other than
       ``x W^T + b`` (but see the next item);
     - each transformers ``DeepseekV4GroupedLinear`` (the V4 attention's
       block-diagonal ``o_a_proj``) without a bias with an
-      :class:`lowbit.nn.Nvfp4GroupedLinear` (``fp8_min_rows`` does not
-      apply to it);
+      :class:`lowbit.nn.Nvfp4GroupedLinear`, W4A16 whatever ``compute``
+      (its op has no FP8 path yet);
     - with ``moe=True``, each Hugging Face transformers DeepSeek MoE block
       (``DeepseekV3MoE``, ``DeepseekV4SparseMoeBlock``) with an
       :class:`lowbit.nn.Nvfp4MoE` (:meth:`Nvfp4MoE.from_hf`: router,
       routed experts and shared expert in one module, so the Linear layers
       of its shared expert go with it). Blocks whose sizes are not
-      multiples of 16 are skipped.
+      multiples of 16 are skipped. The experts compute W4A16 whatever
+      ``compute``: FP8 compute for the MoE is not done yet.
 
     A module used under several names (the same object registered twice)
     is converted once and the replacement put under every name, so it
@@ -56,9 +62,10 @@ def quantize_(
     from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
     from .nn.moe import Nvfp4MoE
 
-    if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
-        # Before any layer is replaced: a bad argument leaves the model as it was.
-        raise ValueError(f"quantize_: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}")
+    from .nn.linear import resolve_compute
+
+    # Before any layer is replaced: a bad argument leaves the model as it was.
+    mode, fp8_rows = resolve_compute("quantize_", compute, fp8_min_rows)
     # Names only: each layer is looked up when it is converted, so that the
     # unquantized one is freed as soon as it is replaced (peak memory: the
     # model plus one layer's conversion, not the model twice). A module
@@ -98,7 +105,7 @@ def quantize_(
             layer = Nvfp4GroupedLinear.from_hf(mod)
         elif isinstance(mod, nn.Linear):
             layer = Nvfp4Linear.from_linear(mod)
-            layer.fp8_min_rows = fp8_min_rows
+            layer._set_compute(mode, fp8_rows)
         else:
             layer = Nvfp4MoE.from_hf(mod)
         del mod  # the parents' were the last references

@@ -87,13 +87,16 @@ def linear_grads(x, pw, ps, g, bias, grad_y, fp8_min_rows=0, fn=lowbit.nvfp4_lin
 
 
 class Stack(torch.nn.Module):
-    def __init__(self, dims, device="cpu", fp8_min_rows=0):
+    # auto_rows: compute="auto" with this threshold instead of
+    # AUTO_FP8_MIN_ROWS (the private setter; tests cross it at small M).
+    def __init__(self, dims, device="cpu", compute="w4a16", auto_rows=None):
         super().__init__()
         layers = []
         for i in range(len(dims) - 1):
             lin = torch.nn.Linear(dims[i], dims[i + 1]).to(device=device, dtype=torch.bfloat16)
-            layers.append(Nvfp4Linear.from_linear(lin))
-            layers[-1].fp8_min_rows = fp8_min_rows
+            layers.append(Nvfp4Linear.from_linear(lin, compute=compute))
+            if auto_rows is not None:
+                layers[-1]._set_compute("auto", auto_rows)
         self.layers = torch.nn.ModuleList(layers)
 
     def forward(self, x):

@@ -193,11 +193,26 @@ def test_key_map_and_deepseek_expert_names(tmp_path):
     assert all(k.endswith(".input_scale") for k in report.ignored)
 
 
-def test_fp8_min_rows_reaches_the_linear_layers(tmp_path):
+def test_compute_reaches_the_linear_layers(tmp_path):
+    # compute="auto": every Nvfp4Linear with its FP8 copy made at load
+    # time; the MoE blocks stay W4A16 (their FP8 compute is not done yet).
     model = build("v3", "cpu")
     write_checkpoint(tmp_path, model, nvfp4_state(model))
-    loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, fp8_min_rows=512)
-    assert {m.fp8_min_rows for m in loaded.modules() if isinstance(m, Nvfp4Linear)} == {512}
+    loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, compute="auto")
+    linears = [m for m in loaded.modules() if isinstance(m, Nvfp4Linear)]
+    assert {m.compute for m in linears} == {"auto"}
+    assert all(m.weight_fp8 is not None and m.weight_fp8.dtype == torch.float8_e4m3fn for m in linears)
+    assert not any(k.endswith("weight_fp8") or k.endswith("weight_fp8_scale") for k in loaded.state_dict())
+    plain = lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
+    assert all(m.weight_fp8 is None for m in plain.modules() if isinstance(m, Nvfp4Linear))
+    # Decode-sized inputs run W4A16 under "auto": the same logits.
+    torch.testing.assert_close(logits(loaded, "cpu"), logits(plain, "cpu"), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lowbit.load_pretrained: compute must be 'w4a16', 'auto' or 'fp8'"):
+        lowbit.load_pretrained(tmp_path, device="cpu", progress=False, compute="fp4")
+    # The deprecated fp8_min_rows: compute="auto" from that many rows.
+    with pytest.deprecated_call(match="fp8_min_rows is deprecated"):
+        loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, fp8_min_rows=512)
+    assert {(m.compute, m._fp8_rows) for m in loaded.modules() if isinstance(m, Nvfp4Linear)} == {("auto", 512)}
 
 
 def _write_and_load(tmp_path, state, model, **kwargs):
@@ -283,8 +298,10 @@ def test_unused_keys_warn_and_arguments_are_checked(tmp_path):
         target = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="device is required: the model's parameters are on the meta device"):
         lowbit.load_checkpoint_(target, tmp_path, progress=False)
-    with pytest.raises(ValueError, match="fp8_min_rows must be an int >= 0"):
+    with pytest.deprecated_call(), pytest.raises(ValueError, match="fp8_min_rows must be an int >= 0"):
         lowbit.load_checkpoint_(target, tmp_path, device="cpu", fp8_min_rows=-1)
+    with pytest.raises(ValueError, match="lowbit.load_checkpoint_: compute must be 'w4a16', 'auto' or 'fp8'"):
+        lowbit.load_checkpoint_(target, tmp_path, device="cpu", compute="FP8")
     with pytest.raises(ValueError, match="key_map maps both"):
         lowbit.load_checkpoint_(target, tmp_path, device="cpu", key_map=lambda k: "x")
     (tmp_path / "nothing").mkdir()

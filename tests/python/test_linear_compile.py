@@ -125,10 +125,11 @@ def test_export_with_dynamic_batch():
         assert torch.equal(exported.module()(x), model(x))
 
 
-@pytest.mark.parametrize("fp8_min_rows", [0, 64])
-def test_compile_fullgraph_dynamic_no_recompile(fp8_min_rows):
-    # With the FP8 mode from 64 rows, M crosses it inside the op: one graph.
-    model = Stack([64, 128, 48, 32], fp8_min_rows=fp8_min_rows)
+@pytest.mark.parametrize("compute", ["w4a16", "auto", "fp8"])
+def test_compile_fullgraph_dynamic_no_recompile(compute):
+    # "auto" (the FP8 path from AUTO_FP8_MIN_ROWS = 1024 rows): M crosses
+    # the threshold inside the op, one graph.
+    model = Stack([64, 128, 48, 32], compute=compute)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     with size_oblivious:
@@ -147,13 +148,14 @@ def test_compile_inductor_fullgraph():
 
 @cuda
 @pytest.mark.parametrize(
-    "fp8_min_rows,ms,graph_ms",
-    [(0, (1, 7, 64, 65, 4096), (4, 4, 4, 32, 32, 32)), (64, (1, 63, 64, 300, 4096), (300, 300, 300))],
+    "auto_rows,ms,graph_ms",
+    [(None, (1, 7, 64, 65, 4096), (4, 4, 4, 32, 32, 32)), (64, (1, 63, 64, 300, 4096), (300, 300, 300))],
 )
-def test_cuda_compile_no_recompile_and_reduce_overhead_bitwise(fp8_min_rows, ms, graph_ms):
-    # One graph across M (with the FP8 mode from 64 rows: as M crosses it
-    # too), and CUDA graphs bitwise the eager result.
-    model = Stack([1024, 2048, 512], device="cuda", fp8_min_rows=fp8_min_rows)
+def test_cuda_compile_no_recompile_and_reduce_overhead_bitwise(auto_rows, ms, graph_ms):
+    # One graph across M (with compute="auto" from 64 rows, on the cached
+    # FP8 weight: as M crosses it too), and CUDA graphs bitwise the eager
+    # result.
+    model = Stack([1024, 2048, 512], device="cuda", auto_rows=auto_rows)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     with size_oblivious:

@@ -380,7 +380,7 @@ def test_cuda_stream_k_kernel():
 
 @cuda
 def test_cuda_no_host_sync_in_forward():
-    models = [Stack([512, 256, 256], device="cuda"), Stack([512, 256, 256], device="cuda", fp8_min_rows=100)]
+    models = [Stack([512, 256, 256], device="cuda"), Stack([512, 256, 256], device="cuda", auto_rows=100)]
     xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 16, 200)]
     for model in models:
         for x in xs:

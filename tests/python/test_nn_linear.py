@@ -17,32 +17,49 @@ from lowbit.nn import Nvfp4Linear
 cuda = pytest.mark.cuda
 
 
-def test_fp8_mode_in_the_module():
+def test_deprecated_fp8_min_rows_maps_to_compute():
+    # fp8_min_rows (module attribute, constructor, quantize_) still works,
+    # with a DeprecationWarning: n is compute="auto" from n rows, 0 "w4a16".
     gen = torch.Generator().manual_seed(32)
     lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
     q = Nvfp4Linear.from_linear(lin)
-    assert q.fp8_min_rows == 0 and "fp8_min_rows" not in repr(q)
+    assert q.compute == "w4a16" and q.weight_fp8 is None and "compute" not in repr(q)
     x = torch.randn(8, 128, generator=gen).to(torch.bfloat16)
     w4 = q(x)
-    q.fp8_min_rows = 8
-    assert "fp8_min_rows=8" in repr(q)
+    with pytest.deprecated_call(match="fp8_min_rows is deprecated"):
+        q.fp8_min_rows = 8
+    assert q.compute == "auto" and "compute=auto (FP8 from 8 rows)" in repr(q)
+    assert q.weight_fp8 is not None  # made when set, not per call
+    with pytest.deprecated_call():
+        assert q.fp8_min_rows == 8
     for bad in (-1, 1.5, True):  # checked when set, not at the next forward
-        with pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
+        with pytest.deprecated_call(), pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
             q.fp8_min_rows = bad
-    assert q.fp8_min_rows == 8
+    assert q.compute == "auto"
     model = torch.nn.Sequential(torch.nn.Linear(128, 64))
-    with pytest.raises(ValueError, match=r"quantize_: fp8_min_rows must be an int >= 0"):
+    with pytest.deprecated_call(), pytest.raises(ValueError, match=r"quantize_: fp8_min_rows must be an int >= 0"):
         lowbit.quantize_(model, fp8_min_rows=-1, progress=False)
     assert type(model[0]) is torch.nn.Linear  # untouched
+    with pytest.raises(ValueError, match=r"quantize_: pass compute or the deprecated fp8_min_rows, not both"):
+        with pytest.deprecated_call():
+            lowbit.quantize_(model, fp8_min_rows=8, compute="fp8", progress=False)
     assert set(q.state_dict()) == {"weight", "weight_scale", "weight_global", "bias"}
     y = q(x)
     assert not torch.equal(y, w4) and rel_err(y, w4) <= FP8_MODE_TOL
     assert torch.equal(q(x[:7]), w4[:7])
-    model = lowbit.quantize_(torch.nn.Sequential(torch.nn.Linear(128, 64)).to(torch.bfloat16), progress=False,
-                             fp8_min_rows=1024)
-    assert model[0].fp8_min_rows == 1024
-    with pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
+    # The same numbers as the op's per-call FP8 mode from 8 rows.
+    assert torch.equal(y, lowbit.nvfp4_linear(x, q.weight, q.weight_scale, q.weight_global, q.bias, 8))
+    with pytest.deprecated_call():
+        q.fp8_min_rows = 0
+    assert q.compute == "w4a16" and q.weight_fp8 is None and torch.equal(q(x), w4)
+    with pytest.deprecated_call():
+        model = lowbit.quantize_(torch.nn.Sequential(torch.nn.Linear(128, 64)).to(torch.bfloat16), progress=False,
+                                 fp8_min_rows=1024)
+    assert model[0].compute == "auto" and model[0]._fp8_rows == 1024
+    with pytest.deprecated_call(), pytest.raises(ValueError, match=r"fp8_min_rows must be an int >= 0"):
         Nvfp4Linear(128, 64, fp8_min_rows=-1)
+    with pytest.deprecated_call():
+        assert Nvfp4Linear(128, 64, fp8_min_rows=16).compute == "auto"
 
 
 def test_module_roundtrip_state_dict_and_repr():

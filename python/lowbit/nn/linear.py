@@ -10,9 +10,21 @@ dtypes are part of the format: ``.to(dtype)`` / ``.half()`` keep them (a
 model converted with ``.half()`` keeps its NVFP4 layers intact); the input
 chooses the compute dtype.
 
-``fp8_min_rows`` (an attribute, checked when set, not in ``state_dict``; 0 by default) turns
-on the FP8 mode of ``lowbit.nvfp4_linear`` for inputs of at least that many
-rows: faster at large M, with an extra error of about 4e-2 relative.
+``compute`` (an attribute, checked when set, not in ``state_dict``) picks
+the arithmetic: ``"w4a16"`` (the default: the NVFP4 weight decoded to x's
+dtype, BF16/FP16 tensor cores), ``"fp8"`` (every call on the FP8 tensor
+cores: W's E4M3 form times x rounded to E4M3 per row, an extra error of
+about 4e-2 relative against the W4A16 result) or ``"auto"`` (the FP8 path
+from ``AUTO_FP8_MIN_ROWS`` rows of x, W4A16 below; the choice is made
+inside the op, per call, without a host synchronization, so one compiled
+graph or CUDA graph serves every M). With ``"auto"`` or ``"fp8"`` the
+layer keeps W's E4M3 form beside the NVFP4 weight, made once when the
+mode is set (construction, ``quantize_``, loading), never per call: the
+buffers ``weight_fp8`` float8_e4m3fn [N, K] and ``weight_fp8_scale``
+float32 [N], 1 byte a weight and 4 a row more. They are derived, so not in
+``state_dict``; ``load_state_dict`` makes them again, ``.to()`` moves them.
+``"w4a16"`` holds no FP8 copy. ``fp8_min_rows`` (deprecated) is
+``compute="auto"`` with its own threshold (0: ``"w4a16"``).
 
 The layer is frozen (its state is buffers) but differentiable in its input
 (:func:`lowbit.nvfp4_linear`): layers before it, and adapters beside it,
@@ -21,16 +33,49 @@ train through it.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
-from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_unprepack
+from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_to_fp8, nvfp4_unprepack
 from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
 
 # The prepacked layout's padding scale byte (E4M3 1.0 re-encoded,
 # csrc/lowbit/linear/nvfp4_linear_layout.h), which fills the scale bytes that record K.
 _PADDING_SCALE_BYTE = 0x8A
+
+
+COMPUTE_MODES = ("w4a16", "auto", "fp8")
+
+# compute="auto": the FP8 path from this many rows of x. To be measured on
+# an H100 (the cached FP8 path has no bench run yet). The basis: at 1024
+# rows the FP8 GEMM alone (the bench's `_scaled_mm` peer) took 0.41-0.57x
+# the W4A16 path's time on every bench shape, and the cached path adds only
+# the pass over x; the per-call FP8 mode, which also converts W every
+# call, was measured at 0.62-1.04x cuBLAS BF16 there (docs/perf/log/linear.md,
+# v31).
+AUTO_FP8_MIN_ROWS = 1024
+
+
+def resolve_compute(where: str, compute: str, fp8_min_rows: int | None) -> tuple[str, int]:
+    """(compute mode, fp8_min_rows for lowbit.nvfp4_linear) from the knob and
+    the deprecated ``fp8_min_rows`` (0: "w4a16", n: "auto" from n rows),
+    or ValueError naming ``where`` and the argument."""
+    if not isinstance(compute, str) or compute not in COMPUTE_MODES:
+        raise ValueError(f"{where}: compute must be 'w4a16', 'auto' or 'fp8', got {compute!r}")
+    if fp8_min_rows is None:
+        return compute, {"w4a16": 0, "auto": AUTO_FP8_MIN_ROWS, "fp8": 1}[compute]
+    warnings.warn(f"{where}: fp8_min_rows is deprecated; use compute='auto' (the FP8 path from "
+                  f"{AUTO_FP8_MIN_ROWS} rows, on an FP8 weight made once) or compute='fp8'; fp8_min_rows=n is "
+                  "compute='auto' from n rows", DeprecationWarning, stacklevel=3)
+    if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
+        raise ValueError(f"{where}: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}")
+    if compute != "w4a16":
+        raise ValueError(f"{where}: pass compute or the deprecated fp8_min_rows, not both (got compute={compute!r}, "
+                         f"fp8_min_rows={fp8_min_rows})")
+    return ("w4a16", 0) if fp8_min_rows == 0 else ("auto", fp8_min_rows)
 
 
 def _padded_k(k: int) -> int:
@@ -98,10 +143,11 @@ class Nvfp4Linear(KeepsDtypes):
         bias: bool = True,
         device: torch.device | str | None = None,
         bias_dtype: torch.dtype = torch.bfloat16,
-        fp8_min_rows: int = 0,
+        fp8_min_rows: int | None = None,
+        compute: str = "w4a16",
     ) -> None:
         super().__init__()
-        self.fp8_min_rows = fp8_min_rows
+        mode, rows = resolve_compute("Nvfp4Linear", compute, fp8_min_rows)
         if in_features % 16 or out_features % 16:
             raise ValueError(
                 f"Nvfp4Linear: in_features and out_features must be multiples of 16, got {in_features}, {out_features}"
@@ -117,17 +163,50 @@ class Nvfp4Linear(KeepsDtypes):
             self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device))
         else:
             self.bias = None
+        # W's E4M3 form for compute "auto" / "fp8" (None for "w4a16"): derived
+        # from the buffers above, so not in state_dict.
+        self.register_buffer("weight_fp8", None, persistent=False)
+        self.register_buffer("weight_fp8_scale", None, persistent=False)
+        self._set_compute(mode, rows)
+
+    @property
+    def compute(self) -> str:
+        """"w4a16", "auto" or "fp8" (module docstring); setting it makes or
+        drops the FP8 copy of the weight."""
+        return self._compute
+
+    @compute.setter
+    def compute(self, value: str) -> None:
+        self._set_compute(*resolve_compute("Nvfp4Linear", value, None))
+
+    def _set_compute(self, mode: str, fp8_min_rows: int) -> None:
+        # Checked when set, not at the next forward. fp8_min_rows: what the
+        # op gets (0 for "w4a16", 1 for "fp8", the threshold for "auto").
+        self._compute, self._fp8_rows = mode, fp8_min_rows
+        self.refresh_fp8_weight()
 
     @property
     def fp8_min_rows(self) -> int:
-        return self._fp8_min_rows
+        """Deprecated: the rows from which the FP8 path runs (0: never).
+        Setting n is ``compute = "auto"`` from n rows (0: ``"w4a16"``)."""
+        warnings.warn("Nvfp4Linear.fp8_min_rows is deprecated; read compute", DeprecationWarning, stacklevel=2)
+        return self._fp8_rows
 
     @fp8_min_rows.setter
     def fp8_min_rows(self, value: int) -> None:
-        # Checked when set, not at the next forward.
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"Nvfp4Linear: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {value!r}")
-        self._fp8_min_rows = value
+        self._set_compute(*resolve_compute("Nvfp4Linear", "w4a16", value))
+
+    def refresh_fp8_weight(self) -> None:
+        """Makes the FP8 copy (``weight_fp8``, ``weight_fp8_scale``) from the
+        NVFP4 buffers again, or drops it for ``"w4a16"``. Done when the
+        compute mode is set and by ``load_state_dict``; call it after
+        writing the NVFP4 buffers any other way."""
+        if self._compute == "w4a16":
+            self.weight_fp8 = self.weight_fp8_scale = None
+            return
+        with torch.no_grad():
+            self.weight_fp8, self.weight_fp8_scale = nvfp4_to_fp8(
+                self.weight, self.weight_scale, self.weight_global, self.in_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -147,26 +226,32 @@ class Nvfp4Linear(KeepsDtypes):
             state_dict[key] = torch.cat([scale.reshape(-1), tail]).view(n, prepacked_scale_cols(k))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if self._compute != "w4a16" and not error_msgs:
+            self.refresh_fp8_weight()  # from the loaded weight
 
     # ---- construction -----------------------------------------------------
 
     @classmethod
     def from_checkpoint(
-        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None
+        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None = None, *,
+        compute: str = "w4a16",
     ) -> "Nvfp4Linear":
         """From checkpoint-layout tensors: ``weight`` uint8 [N, K/2],
         ``weight_scale`` E4M3 [N, K/16], ``weight_global`` = amax / 2688
-        (one value), ``bias`` [N]. Bad tensors raise ValueError (shapes) or
+        (one value), ``bias`` [N]; ``compute`` as the module's (the FP8
+        copy, if any, made here). Bad tensors raise ValueError (shapes) or
         TypeError (dtypes) naming the argument."""
         _check_checkpoint("from_checkpoint", ("weight", "weight_scale", "weight_global"), weight, weight_scale,
                           weight_global, bias)
-        return cls._from_valid(weight, weight_scale, weight_global, bias)
+        return cls._from_valid(weight, weight_scale, weight_global, bias, compute, "from_checkpoint")
 
     @classmethod
     def _from_valid(
-        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None
+        cls, weight: Tensor, weight_scale: Tensor, weight_global: Tensor, bias: Tensor | None,
+        compute: str = "w4a16", where: str = "from_checkpoint",
     ) -> "Nvfp4Linear":
         """The layer from checkpoint-layout tensors that _check_checkpoint passed."""
+        mode, rows = resolve_compute(f"Nvfp4Linear.{where}", compute, None)
         n, k = weight.shape[0], weight.shape[1] * 2
         mod = cls(k, n, bias=bias is not None, device=weight.device,
                   bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
@@ -176,25 +261,29 @@ class Nvfp4Linear(KeepsDtypes):
         mod.weight_global.copy_(weight_global.reshape(()).float())
         if bias is not None:
             mod.bias.copy_(bias)
+        mod._set_compute(mode, rows)  # the FP8 copy from the weight just copied in
         return mod
 
     @classmethod
     def from_modelopt(
-        cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, bias: Tensor | None = None
+        cls, weight: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, bias: Tensor | None = None, *,
+        compute: str = "w4a16",
     ) -> "Nvfp4Linear":
         """NVIDIA ModelOpt tensors: ``weight``, ``weight_scale``, ``weight_scale_2`` (= amax / 2688)."""
         _check_checkpoint("from_modelopt", ("weight", "weight_scale", "weight_scale_2"), weight, weight_scale,
                           weight_scale_2, bias)
-        return cls._from_valid(weight, weight_scale, weight_scale_2, bias)
+        return cls._from_valid(weight, weight_scale, weight_scale_2, bias, compute, "from_modelopt")
 
     @classmethod
     def from_compressed_tensors(
-        cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Tensor | None = None
+        cls, weight_packed: Tensor, weight_scale: Tensor, weight_global_scale: Tensor, bias: Tensor | None = None, *,
+        compute: str = "w4a16",
     ) -> "Nvfp4Linear":
         """compressed-tensors (``nvfp4-pack-quantized``): ``weight_global_scale`` is 2688 / amax, the reciprocal."""
         names = ("weight_packed", "weight_scale", "weight_global_scale")
         _check_checkpoint("from_compressed_tensors", names, weight_packed, weight_scale, weight_global_scale, bias)
-        return cls._from_valid(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale), bias)
+        return cls._from_valid(weight_packed, weight_scale, global_from_compressed_tensors(weight_global_scale), bias,
+                               compute, "from_compressed_tensors")
 
     def to_modelopt(self) -> dict[str, Tensor]:
         """The layer as NVIDIA ModelOpt checkpoint tensors (the inverse of
@@ -216,8 +305,10 @@ class Nvfp4Linear(KeepsDtypes):
         return isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Nvfp4Linear":
-        """Quantizes ``linear.weight`` with the reference NVFP4 rule (lowbit.nvfp4_quantize)."""
+    def from_linear(cls, linear: nn.Linear, *, compute: str = "w4a16") -> "Nvfp4Linear":
+        """Quantizes ``linear.weight`` with the reference NVFP4 rule
+        (lowbit.nvfp4_quantize); ``compute`` as the module's."""
+        resolve_compute("Nvfp4Linear.from_linear", compute, None)
         if not cls.computes_like(linear):
             raise TypeError(
                 f"Nvfp4Linear.from_linear: argument 'linear' must be an nn.Linear computing x W^T + b, got "
@@ -228,7 +319,7 @@ class Nvfp4Linear(KeepsDtypes):
             bias = None if linear.bias is None else linear.bias.detach().to(
                 linear.weight.dtype if linear.weight.dtype != torch.float32 else torch.bfloat16
             )
-            return cls.from_checkpoint(q.packed, q.block_scale, q.global_scale, bias)
+            return cls._from_valid(q.packed, q.block_scale, q.global_scale, bias, compute, "from_linear")
 
     # ---- forward ----------------------------------------------------------
 
@@ -239,13 +330,18 @@ class Nvfp4Linear(KeepsDtypes):
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_global, bias, self.fp8_min_rows)
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_global, bias, self._fp8_rows,
+                            self.weight_fp8, self.weight_fp8_scale)
 
     def extra_repr(self) -> str:
+        compute = ""
+        if self._compute == "fp8" or (self._compute == "auto" and self._fp8_rows == AUTO_FP8_MIN_ROWS):
+            compute = f", compute={self._compute}"
+        elif self._compute == "auto":
+            compute = f", compute=auto (FP8 from {self._fp8_rows} rows)"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"format=nvfp4 (W4A16, group 16, prepacked), device={self.weight.device}"
-            + (f", fp8_min_rows={self.fp8_min_rows}" if self.fp8_min_rows else "")
+            f"format=nvfp4 (W4A16, group 16, prepacked), device={self.weight.device}{compute}"
         )
 
 
@@ -266,6 +362,11 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     group on its own columns of x. The choice is made inside the op, so a
     graph traced or exported with a dynamic token count serves decode and
     prefill alike.
+
+    ``compute`` is ``"w4a16"`` only: the grouped op has no FP8 path yet, so
+    ``"auto"`` and ``"fp8"`` raise NotImplementedError (``quantize_`` and
+    ``load_pretrained`` leave these layers at W4A16 whatever their
+    ``compute``).
     """
 
     # On an H100, V4-Flash's o_a_proj (8 x 4096 -> 1024; docs/perf/log/grouped.md,
@@ -275,12 +376,24 @@ class Nvfp4GroupedLinear(KeepsDtypes):
     max_fused_rows = 256
 
     def __init__(self, in_features: int, out_features: int, n_groups: int,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, compute: str = "w4a16") -> None:
         super().__init__()
+        self.compute = compute
         if not isinstance(n_groups, int) or n_groups < 1:
             raise ValueError(f"Nvfp4GroupedLinear: n_groups must be a positive int, got {n_groups!r}")
         self.in_features, self.out_features, self.n_groups = in_features, out_features, n_groups
         self.linear = Nvfp4Linear(in_features, n_groups * out_features, bias=False, device=device)
+
+    @property
+    def compute(self) -> str:
+        return "w4a16"
+
+    @compute.setter
+    def compute(self, value: str) -> None:
+        mode, _ = resolve_compute("Nvfp4GroupedLinear", value, None)
+        if mode != "w4a16":
+            raise NotImplementedError(f"Nvfp4GroupedLinear: compute={mode!r} is not implemented yet "
+                                      "(lowbit.nvfp4_grouped_linear has no FP8 path); it computes 'w4a16' only")
 
     @staticmethod
     def is_hf_grouped(module: nn.Module) -> bool:
