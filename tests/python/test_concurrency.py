@@ -204,6 +204,13 @@ def add_quant_cases(b: Builder):
         b.add("nvfp4_unpack", f"nvfp4_unpack {n}x{k} -> {out_dtype}",
               lambda out_dtype=out_dtype: (lowbit.nvfp4_unpack(pw, ps, w_glob, k, out_dtype),), check_unpack)
 
+    def check_to_fp8(out):
+        want = lowbit.nvfp4_to_fp8(pw.cpu(), ps.cpu(), w_glob.cpu(), k)
+        got = [out[0].cpu().view(torch.uint8), out[1].cpu()]
+        return None if same_bits(got, [want.weight.view(torch.uint8), want.scale]) else "differs from the CPU op"
+
+    b.add("nvfp4_to_fp8", f"nvfp4_to_fp8 {n}x{k}", lambda: tuple(lowbit.nvfp4_to_fp8(pw, ps, w_glob, k)), check_to_fp8)
+
     e, h, i = (2, 64, 48) if b.small else (4, 512, 208)
     g = b.gen("moe prepack")
     q13 = lowbit.nvfp4_quantize(b.randn(e, 2 * i, h, gen=g, std=0.02).cpu())
@@ -334,6 +341,10 @@ def add_linear_cases(b: Builder):
     x = b.randn(64, k, gen=b.gen("fp8 x"), dtype=torch.bfloat16)
     b.add("nvfp4_linear", f"nvfp4_linear [FP8 mode] M=64 {n}x{k} bf16",
           lambda: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, None, 1),), _linear_check(w, x, None, 1, 6e-2))
+    # The same on W's E4M3 form made once (compute="auto" / "fp8").
+    w8 = lowbit.nvfp4_to_fp8(w.pw, w.ps, w.g, k)
+    b.add("nvfp4_linear", f"nvfp4_linear [FP8, cached weight] M=64 {n}x{k} bf16",
+          lambda: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, None, 1, *w8),), _linear_check(w, x, None, 1, 6e-2))
 
 
 def add_grouped_linear_cases(b: Builder):
