@@ -8,8 +8,8 @@ when its three GEMMs are long enough for the faster FP8 tensor cores to
 repay that. The casts cost O(M K + N K + M N) bytes, the GEMMs O(M N K)
 FLOPs, so the win grows with the smallest of M, N and K. The rule:
 
-- K and N multiples of 16 (what Hopper's FP8 GEMMs take; always required,
-  even with ``policy="all"``);
+- K and N multiples of 16 (what the FP8 tensor-core GEMMs take; other
+  shapes run the op's slower fallback, a dequantize and an FP32 matmul);
 - min(K, N) >= FP8_MIN_FEATURES;
 - when the caller gives the tokens per step (``tokens_hint``, M), also
   M >= FP8_MIN_TOKENS.
@@ -36,7 +36,8 @@ from ._progress import progress_bar
 # fp8_train benchmark has run on an H100.
 FP8_MIN_FEATURES = 2048
 FP8_MIN_TOKENS = 2048
-# Hopper's FP8 GEMMs take K and N in multiples of 16.
+# cuBLASLt's FP8 GEMMs take K and N in multiples of 16; the op runs other
+# shapes through a dequantize and an FP32 matmul, which cannot win.
 FP8_ALIGNMENT = 16
 
 POLICIES = ("auto", "all")
@@ -128,9 +129,7 @@ def fp8_training_plan(
             if not chosen[0]:
                 reason = "filter_fn"
         if reason is None:
-            if policy == "all":
-                reason = _unaligned(mod.in_features, mod.out_features)
-            else:
+            if policy == "auto":
                 reason = fp8_skip_reason(mod.in_features, mod.out_features, tokens_hint)
         plan.append(Fp8LayerChoice(names, mod.in_features, mod.out_features, reason))
     return plan
@@ -167,7 +166,8 @@ def convert_to_fp8_training(
     ``"auto"`` converts only the shapes on which FP8 is expected to beat
     BF16 (:func:`fp8_wins`, with ``tokens_hint`` the tokens per step when
     known; the thresholds are placeholders, not yet measured); ``"all"``
-    converts every layer whose features are multiples of 16.
+    converts every layer (features not multiples of 16 run the op's slow
+    fallback).
 
     A module registered under several names is converted once and the
     replacement put under every name; ``filter_fn`` must give one answer
