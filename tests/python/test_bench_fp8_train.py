@@ -54,7 +54,8 @@ def test_rows_without_torchao_and_off_bar_shapes():
     rows = {r["provider"]: r for r in fp8_train.make_rows(HW, (2048, 4096, 4096), t, notes)}
     # Off the bar shapes only torchao's peer counts, which is missing here.
     assert rows["lowbit:tensorwise"]["bar"] == "ok (peer n/a)" and rows["lowbit:tensorwise"]["x_peer"] == "n/a"
-    assert rows["lowbit:blockwise"]["peer"] == rows["lowbit:blockwise"]["x_peer"] == "-" and rows["lowbit:blockwise"]["bar"] == "ok"
+    blockwise = rows["lowbit:blockwise"]
+    assert blockwise["peer"] == blockwise["x_peer"] == "-" and blockwise["bar"] == "ok"
     for r in fp8_train.TORCHAO_RECIPES:
         assert rows[f"torchao:{r}"]["us"] == "n/a" and rows[f"torchao:{r}"]["note"] == reason
     assert fp8_train.bar((2048, 4096, 4096), "tensorwise", 0.5, 1.2) == "ok"

@@ -428,3 +428,42 @@ def test_cuda_inductor_matches_eager(recipe):
         assert rel_err(y, want) <= 1e-2, m  # Inductor may fuse the ReLU differently; the op is the same
         y.float().sum().backward()
     assert counter.frame_count == 1
+
+
+@cuda
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_graph_of_a_training_step(recipe):
+    # Forward and both gradients captured in one CUDA graph (what the
+    # fp8_train benchmark times): replays on new data give eager's results
+    # (for delayed, whose history moves on with every call, within FP8
+    # tolerance of an eager layer warmed up alike).
+    layer, gen = fresh_layer(recipe, 1024, 1024, device="cuda", seed=12)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(256, 1024, generator=gen).to(torch.bfloat16).cuda().requires_grad_()
+    dy = torch.randn(256, 1024, generator=gen).to(torch.bfloat16).cuda()
+
+    def step(layer=layer):
+        return torch.autograd.grad(layer(x), (x, layer.weight), dy)
+
+    for _ in range(3):
+        step(eager)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gx, gw = step()
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn(256, 1024, generator=gen).to(torch.bfloat16))
+            dy.copy_(torch.randn(256, 1024, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        want_x, want_w = torch.autograd.grad(eager(x), (x, eager.weight), dy)
+        if recipe == "delayed":
+            assert rel_err(gx, want_x) <= E4M3_TOL and rel_err(gw, want_w) <= E4M3_TOL
+        else:
+            assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
