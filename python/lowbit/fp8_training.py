@@ -8,8 +8,11 @@ when its three GEMMs are long enough for the faster FP8 tensor cores to
 repay that. The casts cost O(M K + N K + M N) bytes, the GEMMs O(M N K)
 FLOPs, so the win grows with the smallest of M, N and K. The rule:
 
-- K and N multiples of 16 (what the FP8 tensor-core GEMMs take; other
-  shapes run the op's slower fallback, a dequantize and an FP32 matmul);
+- K and N, and M when the caller gives it, multiples of the recipe's
+  alignment: 16 (cuBLASLt's FP8 GEMMs), 128 for blockwise (its block-scaled
+  GEMMs). Each of the three is the reduction dimension of one GEMM; other
+  shapes run the op's fallback, a dequantize and an FP32 matmul
+  (docs/fp8.md, "What runs where"), which cannot win;
 - min(K, N) >= FP8_MIN_FEATURES;
 - when the caller gives the tokens per step (``tokens_hint``, M), also
   M >= FP8_MIN_TOKENS.
@@ -36,27 +39,29 @@ from ._progress import progress_bar
 # fp8_train benchmark has run on an H100.
 FP8_MIN_FEATURES = 2048
 FP8_MIN_TOKENS = 2048
-# cuBLASLt's FP8 GEMMs take K and N in multiples of 16; the op runs other
-# shapes through a dequantize and an FP32 matmul, which cannot win.
+# The sizes the op's tensor-core GEMMs take (module docstring), by recipe.
 FP8_ALIGNMENT = 16
+BLOCKWISE_ALIGNMENT = 128
 
 POLICIES = ("auto", "all")
 
 _log = logging.getLogger("lowbit.fp8_training")
 
 
-def _unaligned(in_features: int, out_features: int) -> str | None:
-    if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
-        return f"features {in_features} -> {out_features} not multiples of {FP8_ALIGNMENT}"
-    return None
+def _recipe_name(recipe) -> str:
+    return recipe if isinstance(recipe, str) else recipe.name
 
 
-def fp8_skip_reason(in_features: int, out_features: int, tokens_hint: int | None = None) -> str | None:
-    """Why the shape policy keeps a layer of this shape in high precision,
-    or None when FP8 is expected to win (see the module docstring)."""
-    unaligned = _unaligned(in_features, out_features)
-    if unaligned:
-        return unaligned
+def fp8_skip_reason(in_features: int, out_features: int, tokens_hint: int | None = None,
+                    recipe="tensorwise") -> str | None:
+    """Why the shape policy keeps a layer of this shape in high precision
+    under ``recipe`` (a name or an Fp8Recipe), or None when FP8 is expected
+    to win (see the module docstring)."""
+    align = BLOCKWISE_ALIGNMENT if _recipe_name(recipe) == "blockwise" else FP8_ALIGNMENT
+    if in_features % align or out_features % align:
+        return f"features {in_features} -> {out_features} not multiples of {align}"
+    if tokens_hint is not None and tokens_hint % align:
+        return f"tokens_hint {tokens_hint} not a multiple of {align}"
     if min(in_features, out_features) < FP8_MIN_FEATURES:
         return f"min(in, out) = {min(in_features, out_features)} < {FP8_MIN_FEATURES}"
     if tokens_hint is not None and tokens_hint < FP8_MIN_TOKENS:
@@ -64,12 +69,12 @@ def fp8_skip_reason(in_features: int, out_features: int, tokens_hint: int | None
     return None
 
 
-def fp8_wins(in_features: int, out_features: int, tokens_hint: int | None = None) -> bool:
-    """Whether an FP8 Linear of this shape is expected to be faster than
-    BF16 for a training step of ``tokens_hint`` tokens (unknown: None),
-    forward and backward together. The thresholds are placeholders, not
-    yet measured (module docstring)."""
-    return fp8_skip_reason(in_features, out_features, tokens_hint) is None
+def fp8_wins(in_features: int, out_features: int, tokens_hint: int | None = None, recipe="tensorwise") -> bool:
+    """Whether an FP8 Linear of this shape under ``recipe`` is expected to
+    be faster than BF16 for a training step of ``tokens_hint`` tokens
+    (unknown: None), forward and backward together. The thresholds are
+    placeholders, not yet measured (module docstring)."""
+    return fp8_skip_reason(in_features, out_features, tokens_hint, recipe) is None
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,12 @@ def fp8_training_plan(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     policy: str = "auto",
     tokens_hint: int | None = None,
+    recipe="tensorwise",
 ) -> list[Fp8LayerChoice]:
-    """What :func:`convert_to_fp8_training` would do to ``model``, changing
-    nothing: one entry per ``nn.Linear`` computing ``x W^T + b`` (other
-    subclasses of ``nn.Linear`` are not listed), in module order."""
+    """What :func:`convert_to_fp8_training` would do to ``model`` under
+    ``recipe`` (a name or an Fp8Recipe), changing nothing: one entry per
+    ``nn.Linear`` computing ``x W^T + b`` (other subclasses of ``nn.Linear``
+    are not listed), in module order."""
     _check_policy(policy, "fp8_training_plan")
     names_of: dict[int, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
@@ -130,7 +137,7 @@ def fp8_training_plan(
                 reason = "filter_fn"
         if reason is None:
             if policy == "auto":
-                reason = fp8_skip_reason(mod.in_features, mod.out_features, tokens_hint)
+                reason = fp8_skip_reason(mod.in_features, mod.out_features, tokens_hint, recipe)
         plan.append(Fp8LayerChoice(names, mod.in_features, mod.out_features, reason))
     return plan
 
@@ -182,7 +189,7 @@ def convert_to_fp8_training(
     from .nn.fp8_linear import Fp8Linear, resolve_recipe
 
     recipe = resolve_recipe(recipe, "convert_to_fp8_training")  # bad arguments leave the model as it was
-    plan = fp8_training_plan(model, filter_fn, policy, tokens_hint)
+    plan = fp8_training_plan(model, filter_fn, policy, tokens_hint, recipe)
     todo = [c for c in plan if c.converted]
     for i, choice in enumerate(todo):
         layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe)

@@ -66,7 +66,15 @@ def test_policy_rule():
     assert not lowbit.fp8_wins(big + 8, big)  # not a multiple of 16
     assert "multiples of 16" in fp8_skip_reason(big + 8, big)
     assert "min(in, out)" in fp8_skip_reason(1024, 8192)
-    assert "tokens_hint" in fp8_skip_reason(big, big, tokens_hint=16)
+    assert "tokens_hint 16 < " in fp8_skip_reason(big, big, tokens_hint=16)
+    # Every GEMM's reduction dimension (K, N, M) on the tensor-core path: 16,
+    # or 128 for blockwise.
+    assert "tokens_hint 4104 not a multiple of 16" in fp8_skip_reason(big, big, tokens_hint=4104)
+    assert lowbit.fp8_wins(big + 16, big, tokens_hint=4112)
+    assert not lowbit.fp8_wins(big + 16, big, recipe="blockwise")
+    assert "not multiples of 128" in fp8_skip_reason(big, big + 64, recipe=Fp8Recipe(name="blockwise"))
+    assert "tokens_hint 4112 not a multiple of 128" in fp8_skip_reason(big, big, 4112, recipe="blockwise")
+    assert lowbit.fp8_wins(big, big + 128, tokens_hint=4096, recipe="blockwise")
 
 
 class Tiny(torch.nn.Module):
