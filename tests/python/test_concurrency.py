@@ -281,6 +281,10 @@ LINEAR_SHAPES = [
                   (300, "wgmma 256-token tiles", torch.bfloat16),
                   (2100, "unpack + cuBLAS", torch.bfloat16)]),
     (8192, 1024, [(100, "wide wgmma MT8, K splits in a cluster", torch.bfloat16)]),
+    # The panel kernel at 12-16 rows where its grid runs in one wave (on an
+    # H100 the larger shapes above now go to two W tiles per warp).
+    (48, 400, [(12, "panel", torch.bfloat16)]),
+    (256, 2176, [(16, "panel", torch.bfloat16)]),
     (16 * 449, 9360, [(12, "wide wgmma MT2 (2^25 weights)", torch.bfloat16),
                       (17, "wide wgmma MT4", torch.float16)]),
     (1024, 1904, [(129, "wgmma 128-token tiles, K split over a cluster", torch.bfloat16)]),

@@ -36,7 +36,7 @@ def check(a, sa, b, sb, pair, bias=None, out_dtype=torch.bfloat16, device="cpu")
     assert y.dtype == out_dtype and y.shape == (a.shape[0], b.shape[0])
     a8, b8 = a.view(torch.uint8), b.view(torch.uint8)
     want = ref.gemm(a8, sa, b8, sb, pair[0], pair[1], fa, fb, bias)
-    acc, out_eps = ref.gemm_tolerance(a8, sa, b8, sb, pair[0], pair[1], fa, fb, out_dtype)
+    acc, out_eps = ref.gemm_tolerance(a8, sa, b8, sb, pair[0], pair[1], fa, fb, out_dtype, device)
     if bias is not None:
         acc = acc + bias.abs().to(torch.float64) * 2.0**-23
     ref.assert_gemm_close(y, want, acc, out_eps)

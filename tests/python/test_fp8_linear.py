@@ -59,13 +59,13 @@ def check_step(x, w, b, dy, recipe, state):
     ops = ref.linear_operands(x2, w, dy2, recipe, history)
     y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
     cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
-    acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", y.dtype)
+    acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", y.dtype, y.device)
     if b is not None:
         acc = acc + b.abs().to(torch.float64) * 2.0**-23
     ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc, eps)
-    acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", dx.dtype)
+    acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", dx.dtype, dx.device)
     ref.assert_gemm_close(dx.reshape(dx_ref.shape), dx_ref, acc, eps)
-    acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", dw.dtype)
+    acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", dw.dtype, dw.device)
     ref.assert_gemm_close(dw, dw_ref, acc, eps)
     if b is not None:
         torch.testing.assert_close(db.double(), dy2.double().sum(0), rtol=1e-5, atol=1e-6)
@@ -271,11 +271,11 @@ def test_cuda_matches_float64_and_cpu_state(recipe, shape):
         ops = ref.linear_operands(x2, w, dy2, recipe, history)
         y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
         cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
-        acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", torch.bfloat16)
+        acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", torch.bfloat16, "cuda")
         ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc + b.abs().double() * 2.0**-7, eps)
-        acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", torch.bfloat16)
+        acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", torch.bfloat16, "cuda")
         ref.assert_gemm_close(dx.reshape(dx_ref.shape), dx_ref, acc, eps)
-        acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", torch.float32)
+        acc, eps = ref.gemm_tolerance(cdy[2], cdy[3], cx[2], cx[3], act, act, g, "e4m3", torch.float32, "cuda")
         ref.assert_gemm_close(dw, dw_ref, acc, eps)
 
 
