@@ -127,7 +127,7 @@ def test_export_with_dynamic_batch():
 
 @pytest.mark.parametrize("compute", ["w4a16", "auto", "fp8"])
 def test_compile_fullgraph_dynamic_no_recompile(compute):
-    # "auto" (the FP8 path from AUTO_FP8_MIN_ROWS = 1024 rows): M crosses
+    # "auto" (the FP8 path from AUTO_FP8_MIN_ROWS rows): M crosses
     # the threshold inside the op, one graph.
     model = Stack([64, 128, 48, 32], compute=compute)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")

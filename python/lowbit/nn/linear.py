@@ -49,14 +49,11 @@ _PADDING_SCALE_BYTE = 0x8A
 
 COMPUTE_MODES = ("w4a16", "auto", "fp8")
 
-# compute="auto": the FP8 path from this many rows of x. To be measured on
-# an H100 (the cached FP8 path has no bench run yet). The basis: at 1024
-# rows the FP8 GEMM alone (the bench's `_scaled_mm` peer) took 0.41-0.57x
-# the W4A16 path's time on every bench shape, and the cached path adds only
-# the pass over x; the per-call FP8 mode, which also converts W every
-# call, was measured at 0.62-1.04x cuBLAS BF16 there (docs/perf/log/linear.md,
-# v31).
-AUTO_FP8_MIN_ROWS = 1024
+# compute="auto": the FP8 path from this many rows of x, where it was
+# faster than W4A16 on every shape of `bench linear --quick` on an H100
+# (docs/perf/README.md: at 256 rows 1.24-2.14x the W4A16 path's speed; the
+# rows between 64 and 256 are not yet measured).
+AUTO_FP8_MIN_ROWS = 256
 
 
 def resolve_compute(where: str, compute: str, fp8_min_rows: int | None) -> tuple[str, int]:
