@@ -20,7 +20,7 @@
 //     fallback, marked as such in docs/fp8.md.
 // The bias goes into cuBLASLt's epilogue when it has the output's dtype
 // (bfloat16 / float16); otherwise it is added in FP32 afterwards.
-// None of this has run on a GPU yet.
+// First run on an H100: docs/fp8.md, "What runs where".
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
