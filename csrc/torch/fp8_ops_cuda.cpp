@@ -13,7 +13,14 @@
 //     (our [N/128, K/128] transposed); b's 1 x 128 scales as [K/128, N]
 //     row-major. Taken when K % 128 == 0, N % 16 == 0, M % 4 == 0 (the
 //     column-major scales' stride M stays 16-byte aligned) and the output is
-//     bfloat16.
+//     bfloat16; with 128 x 128 scales also only when K/128 % 4 == 0 or N <=
+//     128. cuBLASLt reads 128 x 128 scales (BLK128x128_32F) with leading
+//     dimension round_up(K/128, 4) (the cuBLAS docs' block-scaling layout,
+//     what torch's _scaled_mm_v2 demands), while _scaled_mm accepts only the
+//     unpadded stride K/128 and passes the pointer on: for K = 256, N = 512
+//     cuBLASLt reads N-block 1's scales from block 2's and blocks 2 and 3's
+//     from past the tensor's end (memory whose contents differ between eager
+//     and a CUDA graph's pool). Those shapes take the fallback.
 //   anything else (other shapes, float16 / float32 output with block
 //     scales, e5m2 x e5m2): the reference formula on the device, both
 //     operands dequantized to FP32 and an FP32 matmul. Correct but slow: a
@@ -64,13 +71,16 @@ at::Tensor scale_from_amax_cuda(const at::Tensor& amax, float fmax, int64_t marg
   return out;
 }
 
-bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, at::ScalarType out_dtype) {
+bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, Scaling sb, at::ScalarType out_dtype) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
   if (m == 0 || k == 0 || n == 0) return false;
   if (a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2) return false;
   if (k % 16 != 0 || n % 16 != 0) return false;
-  if (sa == Scaling::kBlock) return k % fp8::kBlockSize == 0 && m % 4 == 0 && out_dtype == at::kBFloat16;
-  return true;
+  if (sa != Scaling::kBlock) return true;
+  if (k % fp8::kBlockSize != 0 || m % 4 != 0 || out_dtype != at::kBFloat16) return false;
+  // 128 x 128 scales: cuBLASLt's leading dimension round_up(K/128, 4) must
+  // be our K/128, or only one N-block read (header comment).
+  return sb != Scaling::kBlock2d || (k / fp8::kBlockSize) % 4 == 0 || n <= fp8::kBlockSize;
 }
 
 at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, const at::Tensor& b_in,
@@ -78,7 +88,7 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
                           at::ScalarType out_dtype) {
   c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
-  if (!scaled_mm_takes(a, b, sa, out_dtype)) return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+  if (!scaled_mm_takes(a, b, sa, sb, out_dtype)) return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
   const int64_t m = a.size(0), n = b.size(0);
   at::Tensor sa_mm, sb_mm;
   switch (sa) {
