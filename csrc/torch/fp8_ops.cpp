@@ -15,6 +15,7 @@ constexpr const char* kCast = "fp8_cast";
 constexpr const char* kGemm = "fp8_gemm";
 constexpr const char* kForward = "fp8_linear_forward";
 constexpr const char* kBackward = "fp8_linear_backward";
+constexpr const char* kCacheWeight = "fp8_linear_cache_weight";
 constexpr int64_t kHistoryRows = 3;  // x, W, dy
 constexpr int64_t kMaxMargin = 64;
 
@@ -250,9 +251,48 @@ void record_amax(at::Tensor h, int64_t row0, const at::Tensor& amax) {
   rows.select(1, 0).copy_(amax);
 }
 
+void check_contiguous(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), "lowbit.", op, ": argument '", arg, "' must be contiguous (it is written in ",
+                    "place), got strides ", t.strides());
+}
+
+// A cached FP8 operand: e4m3 data of `shape` and float32 scales of `scaling`.
+void check_fp8_operand(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& ref, const char* ref_arg,
+                       c10::SymIntArrayRef shape, Scaling scaling, const char* op, const char* data_arg,
+                       const char* scale_arg) {
+  check_dtype(data, op, data_arg, {at::kFloat8_e4m3fn});
+  check_same_device(data, ref, op, data_arg, ref_arg);
+  check_shape(data, shape, op, data_arg);
+  check_dtype(scale, op, scale_arg, {at::kFloat});
+  check_same_device(scale, ref, op, scale_arg, ref_arg);
+  check_shape(scale, scale_shape(shape[0], shape[1], scaling), op, scale_arg);
+}
+
+at::ScalarType forward_out_dtype(const at::Tensor& x, const ForwardExtras& e) {
+  if (e.out_dtype.has_value()) return *e.out_dtype;
+  TORCH_CHECK_VALUE(!e.x_scale.has_value(), "lowbit.", kForward,
+                    ": argument 'out_dtype' must be given when 'x' is FP8 (with 'x_scale')");
+  return x.scalar_type();
+}
+
 void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                          const at::Tensor& amax_history, const Recipe& r) {
-  check_float_input(x, kForward, "x");
+                          const at::Tensor& amax_history, const Recipe& r, bool save_x_t, bool save_w_t,
+                          const ForwardExtras& e) {
+  if (e.x_scale.has_value()) {
+    // x is the FP8 output of the layer before (fp8_out): its codes and
+    // scales under this recipe's activation scaling, and no transposed copy,
+    // so no weight gradient can be formed from it.
+    check_dims(x, kForward, "x", {2});
+    check_fp8_operand(x, *e.x_scale, x, "x", x.sym_sizes(), r.activation(), kForward, "x", "x_scale");
+    TORCH_CHECK_VALUE(!save_x_t, "lowbit.", kForward,
+                      ": an FP8 'x' (with 'x_scale') has no transposed copy for the weight gradient: save_x_t must "
+                      "be False");
+  } else {
+    check_float_input(x, kForward, "x");
+  }
+  const at::ScalarType od = forward_out_dtype(x, e);
+  TORCH_CHECK_TYPE(od == at::kBFloat16 || od == at::kHalf || od == at::kFloat, "lowbit.", kForward,
+                   ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", od);
   check_float_input(weight, kForward, "weight");
   check_dims(x, kForward, "x", {2});
   check_dims(weight, kForward, "weight", {2});
@@ -264,6 +304,16 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
     check_float_input(*bias, kForward, "bias");
     check_same_device(*bias, x, kForward, "bias", "x");
     check_shape(*bias, c10::SymDimVector{weight.sym_size(0)}, kForward, "bias");
+  }
+  TORCH_CHECK_VALUE(e.w_fp8.has_value() == e.w_fp8_scale.has_value(), "lowbit.", kForward,
+                    ": arguments 'w_fp8' and 'w_fp8_scale' must be given together");
+  if (e.w_fp8.has_value()) {
+    // The weight cache (fp8_linear_cache_weight): the caller holds W's
+    // transposed copy too, so none is returned.
+    check_fp8_operand(*e.w_fp8, *e.w_fp8_scale, x, "x", weight.sym_sizes(), r.weight(), kForward, "w_fp8",
+                      "w_fp8_scale");
+    TORCH_CHECK_VALUE(!save_w_t, "lowbit.", kForward,
+                      ": with a cached W ('w_fp8') the caller holds its transposed copy: save_w_t must be False");
   }
   check_history(amax_history, x, r, kForward);
 }
@@ -305,16 +355,35 @@ void check_linear_backward(const at::Tensor& dy, const at::Tensor& x_t, const at
 }
 
 LinearForwardOut empty_forward_outputs(const at::Tensor& x, const at::Tensor& weight, const Recipe& r,
-                                       bool save_x_t, bool save_w_t) {
+                                       bool save_x_t, bool save_w_t, const ForwardExtras& e) {
   const c10::SymInt& m = x.sym_size(0);
   const c10::SymInt& k = x.sym_size(1);
   const c10::SymInt& n = weight.sym_size(0);
   const auto f32 = x.options().dtype(at::kFloat), q = x.options().dtype(at::kFloat8_e4m3fn);
-  return {at::empty_symint(c10::SymDimVector{m, n}, x.options()),
+  return {at::empty_symint(c10::SymDimVector{m, n}, e.fp8_out ? q : x.options().dtype(forward_out_dtype(x, e))),
           save_x_t ? at::empty_symint(c10::SymDimVector{k, m}, q) : at::empty({0}, q),
           save_x_t ? at::empty_symint(scale_shape(k, m, r.activation()), f32) : at::empty({0}, f32),
           save_w_t ? at::empty_symint(c10::SymDimVector{k, n}, q) : at::empty({0}, q),
-          save_w_t ? at::empty_symint(scale_shape(k, n, r.weight()), f32) : at::empty({0}, f32)};
+          save_w_t ? at::empty_symint(scale_shape(k, n, r.weight()), f32) : at::empty({0}, f32),
+          e.fp8_out ? at::empty_symint(scale_shape(m, n, r.activation()), f32) : at::empty({0}, f32)};
+}
+
+void check_cache_weight(const at::Tensor& weight, const at::Tensor& amax_history, const at::Tensor& w_data,
+                        const at::Tensor& w_scale, const at::Tensor& w_t_data, const at::Tensor& w_t_scale,
+                        const Recipe& r) {
+  const char* op = kCacheWeight;
+  check_float_input(weight, op, "weight");
+  check_dims(weight, op, "weight", {2});
+  const c10::SymInt& n = weight.sym_size(0);
+  const c10::SymInt& k = weight.sym_size(1);
+  check_fp8_operand(w_data, w_scale, weight, "weight", weight.sym_sizes(), r.weight(), op, "w_data", "w_scale");
+  check_fp8_operand(w_t_data, w_t_scale, weight, "weight", c10::SymDimVector{k, n}, r.weight(), op, "w_t_data",
+                    "w_t_scale");
+  check_contiguous(w_data, op, "w_data");
+  check_contiguous(w_scale, op, "w_scale");
+  check_contiguous(w_t_data, op, "w_t_data");
+  check_contiguous(w_t_scale, op, "w_t_scale");
+  check_history(amax_history, weight, r, op);
 }
 
 LinearBackwardOut empty_backward_outputs(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& w_t,
@@ -335,21 +404,66 @@ LinearBackwardOut empty_backward_outputs(const at::Tensor& dy, const at::Tensor&
 LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, const at::Tensor& amax_history,
                                 c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
-                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t) {
+                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t,
+                                const ForwardExtras& e) {
   const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
-  check_linear_forward(x, weight, bias, amax_history, r);
+  check_linear_forward(x, weight, bias, amax_history, r, save_x_t, save_w_t, e);
   const bool delayed = r.kind == Recipe::Kind::kDelayed;
+  const bool x_fp8 = e.x_scale.has_value(), w_cached = e.w_fp8.has_value();
   c10::optional<at::Tensor> sx, sw;
   if (delayed) {
     const at::Tensor s = delayed_scales(be, amax_history, 0, 2, r, Format::kE4M3);
     sx = s.select(0, 0);
     sw = s.select(0, 1);
   }
-  const CastOut cx = be.cast(x.contiguous(), r.activation(), Format::kE4M3, save_x_t, sx, r.pow2);
-  const CastOut cw = be.cast(weight.contiguous(), r.weight(), Format::kE4M3, save_w_t, sw, r.pow2);
-  at::Tensor y = be.gemm(cx.data, cx.scale, cw.data, cw.scale, r.activation(), r.weight(), bias, x.scalar_type());
-  if (delayed) record_amax(amax_history, 0, at::stack({cx.amax, cw.amax}));
-  return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t};
+  const auto f32 = x.options().dtype(at::kFloat), q = x.options().dtype(at::kFloat8_e4m3fn);
+  // An operand given in FP8 is not cast: its data and scales are used as
+  // they are, and it has no transposed copy to return.
+  auto given = [&](const at::Tensor& data, const at::Tensor& scale) {
+    return CastOut{data.contiguous(), scale.contiguous(), at::empty({0}, q), at::empty({0}, f32), at::Tensor()};
+  };
+  const CastOut cx = x_fp8 ? given(x, *e.x_scale)
+                           : be.cast(x.contiguous(), r.activation(), Format::kE4M3, save_x_t, sx, r.pow2);
+  const CastOut cw = w_cached ? given(*e.w_fp8, *e.w_fp8_scale)
+                              : be.cast(weight.contiguous(), r.weight(), Format::kE4M3, save_w_t, sw, r.pow2);
+  at::Tensor y = be.gemm(cx.data, cx.scale, cw.data, cw.scale, r.activation(), r.weight(), bias,
+                         forward_out_dtype(x, e));
+  at::Tensor y_scale = at::empty({0}, f32);
+  if (e.fp8_out) {
+    // y cast for the next layer as that layer would cast it (this recipe's
+    // activation scaling, E4M3), from y rounded to out_dtype, so that the
+    // FP8 hand-over gives the codes the unfused pair would. Current scaling
+    // even for "delayed": the next layer's history is not visible here.
+    CastOut cy = be.cast(y, r.activation(), Format::kE4M3, false, c10::nullopt, r.pow2);
+    y = cy.data;
+    y_scale = cy.scale;
+  }
+  if (delayed) {
+    // Only the tensors cast here record an amax: a cached W's amax was
+    // recorded by the cast that filled the cache (once per refresh).
+    if (!x_fp8 && !w_cached) {
+      record_amax(amax_history, 0, at::stack({cx.amax, cw.amax}));
+    } else if (!x_fp8) {
+      record_amax(amax_history, 0, cx.amax.view({1}));
+    } else if (!w_cached) {
+      record_amax(amax_history, 1, cw.amax.view({1}));
+    }
+  }
+  return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t, y_scale};
+}
+
+void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
+                         const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,
+                         const at::Tensor& w_t_scale, c10::string_view recipe, c10::string_view amax_compute,
+                         int64_t margin, bool pow2_scales) {
+  const Recipe r = parse_recipe(recipe, "e4m3", amax_compute, margin, pow2_scales, kCacheWeight);
+  check_cache_weight(weight, amax_history, w_data, w_scale, w_t_data, w_t_scale, r);
+  const bool delayed = r.kind == Recipe::Kind::kDelayed;
+  c10::optional<at::Tensor> sw;
+  if (delayed) sw = delayed_scales(be, amax_history, 1, 1, r, Format::kE4M3).select(0, 0);
+  CastOut out{w_data, w_scale, w_t_data, w_t_scale, at::empty({}, weight.options().dtype(at::kFloat))};
+  be.cast_into(weight.contiguous(), r.weight(), Format::kE4M3, sw, r.pow2, out);
+  if (delayed) record_amax(amax_history, 1, out.amax.view({1}));
 }
 
 LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const at::Tensor& x_t,
@@ -381,13 +495,18 @@ LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const
 
 namespace {
 
-CastOut cast_cpu_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
-                      const c10::optional<at::Tensor>& scale, bool pow2) {
+void cast_into_cpu(const at::Tensor& input, Scaling scaling, Format format, const c10::optional<at::Tensor>& scale,
+                   bool pow2, CastOut& out) {
   const at::Tensor x = input.contiguous();
   c10::optional<at::Tensor> s;
   if (scale.has_value()) s = scale->contiguous();
-  CastOut out = empty_cast_outputs(x, scaling, format, transpose);
   fp8::cast_cpu(cast_args(x, scaling, format, pow2, s, out));
+}
+
+CastOut cast_cpu_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
+                      const c10::optional<at::Tensor>& scale, bool pow2) {
+  CastOut out = empty_cast_outputs(input, scaling, format, transpose);
+  cast_into_cpu(input, scaling, format, scale, pow2, out);
   return out;
 }
 
@@ -399,7 +518,7 @@ at::Tensor scale_from_amax_cpu(const at::Tensor& amax, float fmax, int64_t margi
   return out;
 }
 
-const Backend kCpuBackend{&cast_cpu_impl, &gemm_reference, &scale_from_amax_cpu};
+const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_reference, &scale_from_amax_cpu};
 
 CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
@@ -444,18 +563,38 @@ at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& scale_a, const at::Te
 LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                              at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
                              c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
-                             bool save_w_t) {
+                             bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
+                             const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
+                             c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
   return linear_forward(kCpuBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
-                        pow2_scales, save_x_t, save_w_t);
+                        pow2_scales, save_x_t, save_w_t,
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out});
 }
 
 LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                               at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
-                              bool save_w_t) {
+                              bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
+                              const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
   const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
-  check_linear_forward(x, weight, bias, amax_history, r);
-  return empty_forward_outputs(x, weight, r, save_x_t, save_w_t);
+  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out};
+  check_linear_forward(x, weight, bias, amax_history, r, save_x_t, save_w_t, e);
+  return empty_forward_outputs(x, weight, r, save_x_t, save_w_t, e);
+}
+
+void cache_weight_cpu(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,
+                      at::Tensor& w_t_data, at::Tensor& w_t_scale, c10::string_view recipe,
+                      c10::string_view amax_compute, int64_t margin, bool pow2_scales) {
+  linear_cache_weight(kCpuBackend, weight, amax_history, w_data, w_scale, w_t_data, w_t_scale, recipe, amax_compute,
+                      margin, pow2_scales);
+}
+
+void cache_weight_meta(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,
+                       at::Tensor& w_t_data, at::Tensor& w_t_scale, c10::string_view recipe,
+                       c10::string_view amax_compute, int64_t margin, bool pow2_scales) {
+  const Recipe r = parse_recipe(recipe, "e4m3", amax_compute, margin, pow2_scales, kCacheWeight);
+  check_cache_weight(weight, amax_history, w_data, w_scale, w_t_data, w_t_scale, r);
 }
 
 LinearBackwardOut backward_cpu(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
@@ -486,6 +625,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_cpu);
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cpu);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cpu);
+  m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
@@ -493,4 +633,5 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_meta);
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_meta);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_meta);
+  m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_meta);
 }

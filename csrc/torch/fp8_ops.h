@@ -70,19 +70,38 @@ at::Tensor gemm_reference(const at::Tensor& a, const at::Tensor& scale_a, const 
 struct Backend {
   CastOut (*cast)(const at::Tensor& input, Scaling, Format, bool transpose, const c10::optional<at::Tensor>& scale,
                   bool pow2);
+  // The same cast into preallocated contiguous outputs of the right shapes
+  // and dtypes (the weight cache buffers; data_t 2-D: the transposed copy).
+  void (*cast_into)(const at::Tensor& input, Scaling, Format, const c10::optional<at::Tensor>& scale, bool pow2,
+                    CastOut& out);
   at::Tensor (*gemm)(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      Scaling, Scaling, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
   // scale_from_amax elementwise over a float32 tensor.
   at::Tensor (*scale_from_amax)(const at::Tensor& amax, float fmax, int64_t margin, bool pow2);
 };
 
-using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The forward's optional inputs beyond the plain Linear: W already in FP8
+// (the weight cache), x already in FP8 (an FP8 output of the layer before),
+// and whether y leaves in FP8.
+struct ForwardExtras {
+  c10::optional<at::Tensor> w_fp8, w_fp8_scale, x_scale;
+  c10::optional<at::ScalarType> out_dtype;
+  bool fp8_out = false;
+};
 using LinearBackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at::Tensor& weight,
                                 const c10::optional<at::Tensor>& bias, const at::Tensor& amax_history,
                                 c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
-                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t);
+                                int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t,
+                                const ForwardExtras& extras);
+// fp8_linear_cache_weight: W cast into the cache buffers, in place.
+void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
+                         const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,
+                         const at::Tensor& w_t_scale, c10::string_view recipe, c10::string_view amax_compute,
+                         int64_t margin, bool pow2_scales);
 LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const at::Tensor& x_t,
                                   const at::Tensor& x_t_scale, const at::Tensor& w_t, const at::Tensor& w_t_scale,
                                   const at::Tensor& amax_history, c10::string_view recipe,

@@ -43,13 +43,12 @@ namespace {
 constexpr const char* kCast = "fp8_cast";
 constexpr const char* kGemm = "fp8_gemm";
 
-CastOut cast_cuda_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
-                       const c10::optional<at::Tensor>& scale, bool pow2) {
+void cast_into_cuda(const at::Tensor& input, Scaling scaling, Format format, const c10::optional<at::Tensor>& scale,
+                    bool pow2, CastOut& out) {
   c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = input.contiguous();
   c10::optional<at::Tensor> s;
   if (scale.has_value()) s = scale->contiguous();
-  CastOut out = empty_cast_outputs(x, scaling, format, transpose);
   fp8::CastArgs a = cast_args(x, scaling, format, pow2, s, out);
   at::Tensor workspace;
   const int64_t bytes = fp8::cast_workspace_bytes(a);
@@ -58,6 +57,12 @@ CastOut cast_cuda_impl(const at::Tensor& input, Scaling scaling, Format format, 
     a.workspace = workspace.data_ptr();
   }
   C10_CUDA_CHECK(fp8::cast_cuda(a, c10::cuda::getCurrentCUDAStream()));
+}
+
+CastOut cast_cuda_impl(const at::Tensor& input, Scaling scaling, Format format, bool transpose,
+                       const c10::optional<at::Tensor>& scale, bool pow2) {
+  CastOut out = empty_cast_outputs(input, scaling, format, transpose);
+  cast_into_cuda(input, scaling, format, scale, pow2, out);
   return out;
 }
 
@@ -114,7 +119,7 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
   return y;
 }
 
-const Backend kCudaBackend{&cast_cuda_impl, &gemm_cuda_impl, &scale_from_amax_cuda};
+const Backend kCudaBackend{&cast_cuda_impl, &cast_into_cuda, &gemm_cuda_impl, &scale_from_amax_cuda};
 
 CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                     const c10::optional<at::Tensor>& scale, bool pow2_scales) {
@@ -140,11 +145,23 @@ at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& scale_a, const at::T
 LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                               at::Tensor& amax_history, c10::string_view recipe, c10::string_view grad_dtype,
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
-                              bool save_w_t) {
+                              bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
+                              const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
   check_supported_gpu(x, "fp8_linear_forward");
   c10::cuda::CUDAGuard guard(x.device());
   return linear_forward(kCudaBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
-                        pow2_scales, save_x_t, save_w_t);
+                        pow2_scales, save_x_t, save_w_t,
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out});
+}
+
+void cache_weight_cuda(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,
+                       at::Tensor& w_t_data, at::Tensor& w_t_scale, c10::string_view recipe,
+                       c10::string_view amax_compute, int64_t margin, bool pow2_scales) {
+  check_supported_gpu(weight, "fp8_linear_cache_weight");
+  c10::cuda::CUDAGuard guard(weight.device());
+  linear_cache_weight(kCudaBackend, weight, amax_history, w_data, w_scale, w_t_data, w_t_scale, recipe, amax_compute,
+                      margin, pow2_scales);
 }
 
 LinearBackwardOut backward_cuda(const at::Tensor& dy, const at::Tensor& x_t, const at::Tensor& x_t_scale,
@@ -166,4 +183,5 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("fp8_gemm", &lowbit::ops::fp8ops::gemm_cuda);
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cuda);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cuda);
+  m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cuda);
 }

@@ -151,9 +151,25 @@ TORCH_LIBRARY(lowbit, m) {
   // unless save_w_t)). fp8_linear_backward: dy [M, N] and those -> (dx
   // [M, K] in dy's dtype, dw [N, K] in weight_dtype, dbias [N] in
   // bias_dtype), each [0] when not asked for.
+  // Forward extras: w_fp8 / w_fp8_scale, W's cast read from the weight
+  // cache (then save_w_t must be False: the caller holds W's transposed
+  // copy); x_scale: x is FP8 E4M3 with these scales (the FP8 output of the
+  // layer before; save_x_t must be False; out_dtype required); out_dtype:
+  // y's dtype (default x's); fp8_out: y leaves as FP8 E4M3 under the
+  // recipe's activation scaling, current scaling, its scales the sixth
+  // output (else [0]).
+  // fp8_linear_cache_weight: W's cast (data [N, K], scales, the transposed
+  // copy [K, N] and its scales) written in place into the cache buffers,
+  // contiguous, of the shapes fp8_cast gives; "delayed": W's scale from row
+  // 1 of the history, and W's amax recorded there. Nothing is returned.
   m.def("fp8_linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) amax_history, str recipe, "
         "str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, bool pow2_scales=False, "
-        "bool save_x_t=True, bool save_w_t=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool save_x_t=True, bool save_w_t=True, Tensor? w_fp8=None, Tensor? w_fp8_scale=None, "
+        "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False) -> (Tensor, Tensor, Tensor, Tensor, "
+        "Tensor, Tensor)");
+  m.def("fp8_linear_cache_weight(Tensor weight, Tensor(a!) amax_history, Tensor(b!) w_data, Tensor(c!) w_scale, "
+        "Tensor(d!) w_t_data, Tensor(e!) w_t_scale, str recipe, str amax_compute=\"max\", int margin=0, "
+        "bool pow2_scales=False) -> ()");
   m.def("fp8_linear_backward(Tensor dy, Tensor x_t, Tensor x_t_scale, Tensor w_t, Tensor w_t_scale, "
         "Tensor(a!) amax_history, str recipe, str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False, ScalarType weight_dtype=float, ScalarType? bias_dtype=None, bool compute_dx=True, "

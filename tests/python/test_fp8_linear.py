@@ -147,7 +147,7 @@ def test_opcheck(recipe):
     state = lowbit.fp8_state(recipe)
     fwd = torch.ops.lowbit.fp8_linear_forward.default
     torch.library.opcheck(fwd, (x, w, b, state, *args, True, True), test_utils=OPCHECK_UTILS)
-    _, x_t, x_t_s, w_t, w_t_s = fwd(x, w, b, state, *args, True, True)
+    _, x_t, x_t_s, w_t, w_t_s, _ = fwd(x, w, b, state, *args, True, True)
     bwd = torch.ops.lowbit.fp8_linear_backward.default
     torch.library.opcheck(bwd, (dy, x_t, x_t_s, w_t, w_t_s, state, *args, torch.float32, torch.float32, True, True),
                           test_utils=OPCHECK_UTILS)
