@@ -17,13 +17,14 @@ from .linear import (  # noqa: E402
 )
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
-from .fp8_training import convert_to_fp8_training, fp8_training_plan, fp8_wins  # noqa: E402
+from .fp8_training import convert_to_fp8_training, fp8_microbatch, fp8_training_plan, fp8_wins  # noqa: E402
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
-from .fp8 import Fp8Recipe, fp8_cast, fp8_gemm, fp8_linear, fp8_state  # noqa: E402
+from .fp8 import Fp8Activation, Fp8Recipe, fp8_cast, fp8_gemm, fp8_linear, fp8_state  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Fp8Activation",
     "Fp8Recipe",
     "Nvfp4MoePrepacked",
     "Nvfp4Tensor",
@@ -34,6 +35,7 @@ __all__ = [
     "fp8_cast",
     "fp8_gemm",
     "fp8_linear",
+    "fp8_microbatch",
     "fp8_state",
     "fp8_training_plan",
     "fp8_wins",

@@ -3,8 +3,11 @@
 ``fp8_linear`` is the differentiable Linear (y = x W^T + b with both GEMMs of
 the backward in FP8 too), configured by an :class:`Fp8Recipe`; its state (the
 amax history of delayed scaling) is a tensor from :func:`fp8_state` that the
-module owning the layer registers as a buffer. ``fp8_cast`` and ``fp8_gemm``
-are the building blocks. Every function is a thin call into
+module owning the layer registers as a buffer. The weight cache
+(:func:`fp8_weight_cache`, :func:`fp8_cache_weight`) keeps W's FP8 cast
+across the microbatches of one optimizer step; :class:`Fp8Activation`
+carries a layer's FP8 output into the next layer. ``fp8_cast`` and
+``fp8_gemm`` are the building blocks. Every function is a thin call into
 ``torch.ops.lowbit.*`` (schemas in C++ with CPU, CUDA and Meta kernels), so it
 works eagerly, under ``torch.compile(fullgraph=True)`` (one lowbit op per
 layer in the forward graph and one in the backward graph) and in CUDA graphs.
@@ -135,6 +138,100 @@ def _recipe_args(recipe: Fp8Recipe) -> tuple:
     return recipe.name, recipe.grad_format, recipe.amax_compute, recipe.margin, recipe.pow2_scales
 
 
+def activation_scaling(recipe: Fp8Recipe) -> str:
+    """The fp8_cast scaling of x and dy under ``recipe``."""
+    return {"rowwise": "row", "blockwise": "block"}.get(recipe.name, "tensor")
+
+
+def weight_scaling(recipe: Fp8Recipe) -> str:
+    """The fp8_cast scaling of W under ``recipe``."""
+    return {"rowwise": "row", "blockwise": "block2d"}.get(recipe.name, "tensor")
+
+
+def _scale_shape(rows: int, cols: int, scaling: str) -> tuple:
+    blocks = lambda v: (v + 127) // 128  # noqa: E731
+    return {"tensor": (), "row": (rows,), "block": (rows, blocks(cols)),
+            "block2d": (blocks(rows), blocks(cols))}[scaling]
+
+
+# ---- the weight cache ---------------------------------------------------------
+
+
+class Fp8WeightCache(NamedTuple):
+    """W's cast under a recipe, kept across the microbatches of one optimizer
+    step: ``data`` E4M3 [N, K] and ``scale`` (what the forward GEMM takes),
+    ``data_t`` E4M3 [K, N] and ``scale_t`` (what the input-gradient GEMM
+    takes). Module buffers; filled in place by :func:`fp8_cache_weight`."""
+
+    data: Tensor
+    scale: Tensor
+    data_t: Tensor
+    scale_t: Tensor
+
+
+def fp8_weight_cache(weight: Tensor, recipe: Fp8Recipe, device=None) -> Fp8WeightCache:
+    """Empty cache buffers for ``weight`` [N, K] under ``recipe``. The scales
+    start as NaN: a forward that reads a cache never filled gives NaN, not
+    plausible numbers."""
+    n, k = weight.shape
+    device = weight.device if device is None else device
+    sc = weight_scaling(recipe)
+    q = dict(dtype=torch.float8_e4m3fn, device=device)
+    f = dict(dtype=torch.float32, device=device)
+    return Fp8WeightCache(torch.zeros(n, k, **q), torch.full(_scale_shape(n, k, sc), float("nan"), **f),
+                          torch.zeros(k, n, **q), torch.full(_scale_shape(k, n, sc), float("nan"), **f))
+
+
+def fp8_cache_weight(weight: Tensor, cache: Fp8WeightCache, *, recipe: Fp8Recipe, state: Tensor) -> None:
+    """Casts ``weight`` into ``cache`` in place (one op,
+    ``lowbit::fp8_linear_cache_weight``): what the first microbatch of an
+    optimizer step runs. For ``"delayed"`` W's scale comes from row 1 of
+    ``state`` and W's amax is recorded there, once per refresh. Not
+    differentiable (the gradient of W flows through :func:`fp8_linear`)."""
+    with torch.no_grad():
+        torch.ops.lowbit.fp8_linear_cache_weight(weight, state, *cache, recipe.name, recipe.amax_compute,
+                                                 recipe.margin, recipe.pow2_scales)
+    if not torch.compiler.is_compiling():
+        # Eagerly the dispatcher does not bump a custom op's mutated
+        # arguments' versions; bumped here so that autograd's saved-tensor
+        # check reports a refresh that comes before an earlier microbatch's
+        # backward. (Compiled graphs save the tensors themselves.)
+        torch.autograd.graph.increment_version(list(cache))
+
+
+# ---- FP8 output into the next layer ----------------------------------------------
+
+
+class Fp8Activation(NamedTuple):
+    """A layer's output handed to the next FP8 layer in FP8: ``data`` E4M3
+    [..., N], ``scale`` over the flattened rows [M, N] as :func:`fp8_cast`
+    gives it under ``scaling`` (the recipe's activation scaling), and
+    ``dtype``, the high-precision dtype the output would have had. A plain
+    tuple of tensors and constants (no tensor subclass), so torch.compile
+    traces it. Carries no gradient."""
+
+    data: Tensor
+    scale: Tensor
+    scaling: str
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self) -> Tensor:
+        """The values ``code * scale`` in ``dtype`` (FP32 products, one rounding)."""
+        d = self.data.reshape(-1, self.data.shape[-1]).float()
+        m, n = d.shape
+        if self.scaling == "tensor":
+            v = d * self.scale
+        elif self.scaling == "row":
+            v = d * self.scale.unsqueeze(1)
+        else:  # "block": 1 x 128 tiles along the last dim
+            v = d * self.scale.repeat_interleave(128, dim=1)[:, :n]
+        return v.to(self.dtype).reshape(self.data.shape)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     # The state is mutated by both ops (forward: rows x, W; backward: row
     # dy), so it is kept on ctx, not saved: a saved tensor would fail the
@@ -143,10 +240,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
     # each backward must run before the layer's next forward (docs/fp8.md).
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, state, recipe_args, needs_dx, needs_dw):
-        y, x_t, x_t_scale, w_t, w_t_scale = torch.ops.lowbit.fp8_linear_forward(
-            x2, weight, bias, state, *recipe_args, save_x_t=needs_dw, save_w_t=needs_dx
+    def forward(ctx, x2, weight, bias, state, recipe_args, needs_dx, needs_dw, w_data, w_scale, cache_w_t,
+                cache_w_t_scale):
+        # With a weight cache (w_data not None) the op reads W's cast from it
+        # and the backward reads W's transposed copy from it: saved, so the
+        # version check catches a cache refreshed before this backward ran.
+        cached = w_data is not None
+        y, x_t, x_t_scale, w_t, w_t_scale, _ = torch.ops.lowbit.fp8_linear_forward(
+            x2, weight, bias, state, *recipe_args, save_x_t=needs_dw, save_w_t=needs_dx and not cached,
+            w_fp8=w_data, w_fp8_scale=w_scale,
         )
+        if cached:
+            w_t, w_t_scale = cache_w_t, cache_w_t_scale
         ctx.save_for_backward(x_t, x_t_scale, w_t, w_t_scale)
         ctx.state = state
         ctx.recipe_args = recipe_args
@@ -171,14 +276,48 @@ class _Fp8LinearFunction(torch.autograd.Function):
             compute_dx=needs[0],
             compute_dw=needs[1],
         )
-        return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None, None,
-                None)
+        return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * 8
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe: Fp8Recipe, state: Tensor) -> Tensor:
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fp8_linear_no_grad(x, weight, bias, recipe, state, weight_cache, fp8_output):
+    # The FP8 hand-over (Fp8Activation in, fp8_output out): the forward op
+    # alone, no autograd Function, since neither side has a gradient.
+    fp8_in = isinstance(x, Fp8Activation)
+    if fp8_in and x.scaling != activation_scaling(recipe):
+        raise ValueError(
+            f"lowbit.fp8_linear: the FP8 input is scaled {x.scaling!r}, but recipe {recipe.name!r} takes "
+            f"{activation_scaling(recipe)!r} activations: give both layers recipes of one activation scaling")
+    data = x.data if fp8_in else x
+    x2 = data.reshape(-1, data.shape[-1])
+    cache = (None, None) if weight_cache is None else (weight_cache.data, weight_cache.scale)
+    y, *_, y_scale = torch.ops.lowbit.fp8_linear_forward(
+        x2, weight, bias, state, *_recipe_args(recipe), save_x_t=False, save_w_t=False, w_fp8=cache[0],
+        w_fp8_scale=cache[1], x_scale=x.scale if fp8_in else None, out_dtype=x.dtype if fp8_in else None,
+        fp8_out=fp8_output)
+    y = y.reshape(*data.shape[:-1], weight.shape[0])
+    if fp8_output:
+        return Fp8Activation(y, y_scale, activation_scaling(recipe), x.dtype)
+    return y
+
+
+def fp8_linear(
+    x: Tensor | Fp8Activation,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    recipe: Fp8Recipe,
+    state: Tensor,
+    weight_cache: Fp8WeightCache | None = None,
+    fp8_output: bool = False,
+) -> Tensor | Fp8Activation:
     """y = x W^T (+ bias) with FP8 GEMMs: x [..., K] (bf16/fp16/fp32),
     ``weight`` [N, K] in high precision (the bf16 or fp32 parameter, cast to
-    FP8 on every call), ``bias`` [N]; returns [..., N] in x's dtype.
+    FP8 on every call unless ``weight_cache`` is given), ``bias`` [N];
+    returns [..., N] in x's dtype.
 
     Differentiable in x, weight and bias: the backward casts dy to
     ``recipe.grad_format`` and runs dgrad (dy W) and wgrad (dy^T x) in FP8
@@ -187,8 +326,29 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe:
     history for ``"delayed"``, updated in place by the forward (x, W) and the
     backward (dy); unused otherwise).
 
-    Not done yet: the weight's FP8 copy is not cached across microbatches,
-    and the output is not handed to the next layer in FP8."""
+    ``weight_cache``: W's cast, filled by :func:`fp8_cache_weight` (on the
+    first microbatch of an optimizer step) and read here instead of casting
+    W; the results are bitwise those of the uncached call that would have
+    cast W at the refresh. For ``"delayed"`` W's history row then moves once
+    per refresh, not per call (docs/fp8.md).
+
+    ``fp8_output``: return an :class:`Fp8Activation` (y cast to E4M3 for the
+    next layer) instead of y. ``x`` may be an :class:`Fp8Activation` (the
+    output of a layer with ``fp8_output``). Both carry no gradient: they
+    need grad disabled or no input requiring grad (RuntimeError otherwise).
+    Not done yet: a gradient through the FP8 hand-over."""
+    fp8_in = isinstance(x, Fp8Activation)
+    if fp8_in or fp8_output:
+        if _needs_grad(None if fp8_in else x, weight, bias):
+            what = "an FP8 input (Fp8Activation)" if fp8_in else "fp8_output=True"
+            raise RuntimeError(
+                f"lowbit.fp8_linear: {what} carries no gradient, but gradients are required here (grad mode on and "
+                f"x, weight or bias requiring grad): run it under torch.no_grad(), or set fp8_output=False for "
+                f"training")
+        if x.shape[-1] != weight.shape[-1]:
+            raise ValueError(f"lowbit.fp8_linear: x [..., K] and weight [N, K] must have the same K, got "
+                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        return _fp8_linear_no_grad(x, weight, bias, recipe, state, weight_cache, fp8_output)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"lowbit.fp8_linear: x [..., K] and weight [N, K] must have the same K, got {tuple(x.shape)} and "
@@ -197,5 +357,6 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, recipe:
     x2 = x.reshape(-1, x.shape[-1])
     needs_dx = x.requires_grad and torch.is_grad_enabled()
     needs_dw = weight.requires_grad and torch.is_grad_enabled()
-    y = _Fp8LinearFunction.apply(x2, weight, bias, state, _recipe_args(recipe), needs_dx, needs_dw)
+    cache = (None,) * 4 if weight_cache is None else tuple(weight_cache)
+    y = _Fp8LinearFunction.apply(x2, weight, bias, state, _recipe_args(recipe), needs_dx, needs_dw, *cache)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -26,6 +26,7 @@ then quote that table.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -161,6 +162,7 @@ def convert_to_fp8_training(
     policy: str = "auto",
     progress: bool = True,
     tokens_hint: int | None = None,
+    cache_weight: bool = False,
 ) -> nn.Module:
     """Replaces, in place, each ``nn.Linear`` of ``model`` (those computing
     ``x W^T + b``: subclasses with a ``forward`` of their own are left
@@ -185,14 +187,15 @@ def convert_to_fp8_training(
     stderr after the progress bar when ``progress`` is true;
     :func:`fp8_training_plan` gives it as data without converting.
     ``model`` itself is never replaced (``Fp8Linear.from_linear`` converts
-    a single layer). Returns ``model``."""
+    a single layer). ``cache_weight`` gives every converted layer the FP8
+    weight cache (:func:`fp8_microbatch`). Returns ``model``."""
     from .nn.fp8_linear import Fp8Linear, resolve_recipe
 
     recipe = resolve_recipe(recipe, "convert_to_fp8_training")  # bad arguments leave the model as it was
     plan = fp8_training_plan(model, filter_fn, policy, tokens_hint, recipe)
     todo = [c for c in plan if c.converted]
     for i, choice in enumerate(todo):
-        layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe)
+        layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe, cache_weight=cache_weight)
         for name in choice.names:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
@@ -204,3 +207,36 @@ def convert_to_fp8_training(
         sys.stderr.write(summary + "\n")
         sys.stderr.flush()
     return model
+
+
+@contextlib.contextmanager
+def fp8_microbatch(model: nn.Module, is_first_microbatch: bool):
+    """Within the block, every :class:`lowbit.nn.Fp8Linear` of ``model`` built
+    with ``cache_weight=True`` casts its weight into its cache
+    (``is_first_microbatch=True``: the first microbatch after an optimizer
+    step) or reuses the cache (False: the other microbatches); afterwards
+    the layers cast W on every call again. Under gradient accumulation::
+
+        for i, batch in enumerate(microbatches):
+            with lowbit.fp8_microbatch(model, is_first_microbatch=i == 0):
+                loss_fn(model(batch)).backward()
+        optimizer.step()
+
+    The flag is a Python attribute of each layer: torch.compile guards on it
+    and keeps two graphs (with and without the weight's cast), so switching
+    costs no recompilation after the first step. ValueError when ``model``
+    has no layer with the cache (nothing would be cached)."""
+    from .nn.fp8_linear import Fp8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.cache_weight]
+    if not layers:
+        raise ValueError("lowbit.fp8_microbatch: the model has no Fp8Linear with cache_weight=True "
+                         "(build them with cache_weight=True, or convert_to_fp8_training(..., cache_weight=True))")
+    before = [m.is_first_microbatch for m in layers]
+    for m in layers:
+        m.is_first_microbatch = bool(is_first_microbatch)
+    try:
+        yield model
+    finally:
+        for m, b in zip(layers, before):
+            m.is_first_microbatch = b

@@ -8,18 +8,34 @@ The FP8 copies of x, W and the output gradient exist only inside the op.
 
 Module state beyond the parameters: ``fp8_state``, the amax history of the
 delayed recipe (empty for the stateless recipes), a non-persistent float32
-buffer. Non-persistent so that a state dict of either layer loads strictly
-into the other; the price is that a delayed-scaling run resumed from a
-checkpoint starts its history over, as a fresh layer does. ``.to(dtype)``
-casts the parameters and leaves the history in float32.
+buffer; with ``cache_weight=True`` the weight cache ``fp8_weight``,
+``fp8_weight_scale``, ``fp8_weight_t``, ``fp8_weight_t_scale`` (W's FP8 cast
+and its transposed copy, non-persistent too). Non-persistent so that a state
+dict of either layer loads strictly into the other; the price is that a
+delayed-scaling run resumed from a checkpoint starts its history over, as a
+fresh layer does. ``.to(dtype)`` casts the parameters and leaves the
+history, the cache and its scales in their own dtypes.
+
+Eager fallback: an input the FP8 ops do not model (a dtype other than
+bfloat16 / float16 / float32, a tensor subclass, a device other than the CPU
+or a Hopper GPU, a torch.func transform or forward-mode AD) runs as
+``nn.Linear`` would, in high precision, outside torch.compile's graph (a
+graph break, not a tracing error deep in the op), with one warning per
+layer and reason that says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+_OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CACHE_BUFFERS = ("fp8_weight", "fp8_weight_scale", "fp8_weight_t", "fp8_weight_t_scale")
 
 
 def _fp8_api():
@@ -57,10 +73,95 @@ def recipe_repr(recipe) -> str:
     return recipe.name + (f"({', '.join(changed)})" if changed else "")
 
 
+# ---- eager fallback ------------------------------------------------------------
+# Each kind of configuration the FP8 ops do not model has its own disabled
+# function, so that under torch.compile(fullgraph=True) the error Dynamo
+# raises at the graph break names the kind; the warning names the details.
+
+_FALLBACK_KINDS = {
+    "dtype": "an input dtype other than bfloat16, float16 or float32",
+    "subclass": "a tensor subclass as input or parameter",
+    "device": "a device other than the CPU or a compute-capability-9.0 GPU",
+    "transform": "a torch.func transform or forward-mode AD",
+}
+
+
+def _make_fallback(kind: str):
+    def fallback(layer: "Fp8Linear", x: Tensor, reason: str) -> Tensor:
+        if reason not in layer._fallback_warned:
+            layer._fallback_warned.add(reason)
+            warnings.warn(f"lowbit.nn.Fp8Linear({layer.in_features} -> {layer.out_features}) runs eagerly in high "
+                          f"precision, as nn.Linear: {reason}", RuntimeWarning, stacklevel=4)
+        # As nn.Linear, in the promoted dtype, the result in x's dtype (the
+        # layer's contract).
+        dt = torch.promote_types(x.dtype, layer.weight.dtype)
+        b = None if layer.bias is None else layer.bias.to(dt)
+        return F.linear(x.to(dt), layer.weight.to(dt), b).to(x.dtype)
+
+    fallback.__name__ = f"fp8_linear_eager_fallback_{kind}"
+    return torch.compiler.disable(
+        fallback, reason=f"lowbit.nn.Fp8Linear runs this layer eagerly: {_FALLBACK_KINDS[kind]} (not modelled by "
+                         f"the FP8 ops)")
+
+
+_FALLBACKS = {kind: _make_fallback(kind) for kind in _FALLBACK_KINDS}
+
+
+@torch._dynamo.assume_constant_result
+@functools.lru_cache(maxsize=None)
+def _gpu_unsupported(index: int) -> str | None:
+    # The ops' CUDA kernels are built for compute capability 9.0 only
+    # (csrc/torch/cuda_checks.h).
+    cap = torch.cuda.get_device_capability(index)
+    if cap == (9, 0):
+        return None
+    return f"GPU cuda:{index} has compute capability {cap[0]}.{cap[1]}; the FP8 ops run on 9.0 (Hopper) and the CPU"
+
+
+def _subclass(t) -> bool:
+    return t is not None and type(t) is not torch.Tensor and type(t) is not nn.Parameter
+
+
+def fallback_reason(layer: "Fp8Linear", x: Tensor) -> tuple[str, str] | None:
+    """(kind, reason) when ``layer(x)`` cannot run on the FP8 ops, else None.
+    Decided from static properties only (types, dtypes, devices), which
+    torch.compile guards on, so it never syncs with the device."""
+    w, b = layer.weight, layer.bias
+    for name, t in (("x", x), ("weight", w), ("bias", b)):
+        if _subclass(t):
+            return "subclass", f"{name} is a {type(t).__name__}, a tensor subclass; the FP8 ops take plain tensors"
+    for name, t in (("x", x), ("weight", w), ("bias", b)):
+        if t is not None and t.dtype not in _OP_DTYPES:
+            return "dtype", f"{name} has dtype {t.dtype}; the FP8 ops take bfloat16, float16 or float32"
+    if x.device.type not in ("cpu", "cuda"):
+        return "device", f"x is on {x.device}; the FP8 ops run on the CPU and on CUDA"
+    if x.device.type == "cuda":
+        why = _gpu_unsupported(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        if why is not None:
+            return "device", why
+    if not torch.compiler.is_compiling():
+        # Eager only: under torch.compile these are traced by Dynamo itself.
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            return "transform", "called inside a torch.func transform (vmap, grad, jacrev, ...), which the FP8 "                                 "Linear's autograd.Function does not support"
+        fwd = torch.autograd.forward_ad
+        if fwd._current_level >= 0 and any(t is not None and fwd.unpack_dual(t).tangent is not None
+                                           for t in (x, w, b)):
+            return "transform", "forward-mode AD (a dual tensor), which the FP8 Linear does not implement"
+    return None
+
+
 class Fp8Linear(nn.Linear):
     """``y = x W^T + b`` with the GEMMs in FP8 under ``recipe`` (a name or a
     ``lowbit.fp8.Fp8Recipe``; see docs/fp8.md for the arithmetic of each).
-    ``y`` has x's dtype; gradients flow to x, ``weight`` and ``bias``."""
+    ``y`` has x's dtype; gradients flow to x, ``weight`` and ``bias``.
+
+    ``cache_weight``: hold W's FP8 cast in buffers, refreshed on the first
+    microbatch of each optimizer step and reused by the others
+    (``is_first_microbatch``, a forward argument, or the attribute of the
+    same name that :func:`lowbit.fp8_weight_cache` sets on every layer of a
+    model). ``fp8_output``: return a :class:`lowbit.fp8.Fp8Activation` (FP8
+    data and scales) for the next ``Fp8Linear`` instead of y; without grad
+    only (docs/fp8-training.md)."""
 
     def __init__(
         self,
@@ -69,20 +170,39 @@ class Fp8Linear(nn.Linear):
         bias: bool = True,
         *,
         recipe="tensorwise",
+        cache_weight: bool = False,
+        fp8_output: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         recipe = resolve_recipe(recipe)  # before any allocation: a bad recipe costs nothing
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
+        self.cache_weight = bool(cache_weight)
+        self.fp8_output = bool(fp8_output)
+        # None: cast W on every call; True: refresh the cache; False: reuse it.
+        self.is_first_microbatch: bool | None = None
+        self._fallback_warned: set[str] = set()
         self._register_state(self.weight.device)
 
     def _register_state(self, device) -> None:
-        state = _fp8_api().fp8_state(self.recipe, device)
-        self.register_buffer("fp8_state", state, persistent=False)
+        fp8 = _fp8_api()
+        self.register_buffer("fp8_state", fp8.fp8_state(self.recipe, device), persistent=False)
+        if self.cache_weight:
+            cache = fp8.fp8_weight_cache(self.weight, self.recipe, device)
+            for name, t in zip(_CACHE_BUFFERS, cache):
+                self.register_buffer(name, t, persistent=False)
+
+    def weight_cache(self):
+        """The cache buffers as a :class:`lowbit.fp8.Fp8WeightCache` (None
+        without ``cache_weight``)."""
+        if not self.cache_weight:
+            return None
+        return _fp8_api().Fp8WeightCache(*(getattr(self, n) for n in _CACHE_BUFFERS))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe="tensorwise") -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe="tensorwise", *, cache_weight: bool = False,
+                    fp8_output: bool = False) -> "Fp8Linear":
         """An ``Fp8Linear`` sharing ``linear``'s parameters (the same
         ``Parameter`` objects: an optimizer built over ``linear`` trains it,
         and nothing is copied). ``linear`` must compute ``x W^T + b``: an
@@ -95,25 +215,50 @@ class Fp8Linear(nn.Linear):
         # Built on the meta device (no allocation, no initialisation), then
         # given the originals' parameters.
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
-                  device="meta", dtype=linear.weight.dtype)
+                  cache_weight=cache_weight, fp8_output=fp8_output, device="meta", dtype=linear.weight.dtype)
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod._register_state(linear.weight.device)
         mod.train(linear.training)
         return mod
 
-    def forward(self, x: Tensor) -> Tensor:
-        return _fp8_api().fp8_linear(x, self.weight, self.bias, recipe=self.recipe, state=self.fp8_state)
+    def forward(self, x, is_first_microbatch: bool | None = None):
+        """``x`` [..., in_features] or an Fp8Activation. ``is_first_microbatch``
+        (default: the attribute): None casts W here; True casts W into the
+        cache (once per optimizer step) and uses it; False uses the cache as
+        the last True call left it (the weight must not have changed since)."""
+        fp8 = _fp8_api()
+        if is_first_microbatch is None:
+            is_first_microbatch = self.is_first_microbatch
+        if not isinstance(x, fp8.Fp8Activation):
+            why = fallback_reason(self, x)
+            if why is not None:
+                return _FALLBACKS[why[0]](self, x, why[1])
+        cache = None
+        if is_first_microbatch is not None:
+            if not self.cache_weight:
+                raise ValueError(f"Fp8Linear: is_first_microbatch={is_first_microbatch} needs the weight cache; "
+                                 f"build the layer with cache_weight=True")
+            cache = self.weight_cache()
+            if is_first_microbatch:
+                fp8.fp8_cache_weight(self.weight, cache, recipe=self.recipe, state=self.fp8_state)
+        return fp8.fp8_linear(x, self.weight, self.bias, recipe=self.recipe, state=self.fp8_state,
+                              weight_cache=cache, fp8_output=self.fp8_output)
 
     def _apply(self, fn, recurse=True):
-        # The amax history stays float32 whatever dtype the parameters take
-        # (kept from before the cast, so no rounding is undone from its result).
-        before = self.fp8_state.detach()
+        # The amax history, the FP8 cache and its scales keep their dtypes
+        # whatever dtype the parameters take (.to(dtype) would otherwise cast
+        # every floating buffer, FP8 included); kept from before the cast, so
+        # no rounding is undone from its result.
+        names = [n for n in ("fp8_state",) + _CACHE_BUFFERS if self._buffers.get(n) is not None]
+        before = {n: self._buffers[n].detach() for n in names}
         super()._apply(fn, recurse)
-        if self.fp8_state.dtype != before.dtype:
-            self._buffers["fp8_state"] = before.to(device=self.fp8_state.device)
+        for n in names:
+            if self._buffers[n].dtype != before[n].dtype:
+                self._buffers[n] = before[n].to(device=self._buffers[n].device)
         return self
 
     def extra_repr(self) -> str:
+        extra = "".join(f", {k}=True" for k in ("cache_weight", "fp8_output") if getattr(self, k))
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={recipe_repr(self.recipe)}")
+                f"recipe={recipe_repr(self.recipe)}{extra}")
