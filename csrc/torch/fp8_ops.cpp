@@ -329,28 +329,21 @@ void check_linear_backward(const at::Tensor& dy, const at::Tensor& x_t, const at
                    ": argument 'weight_dtype' must be float32, bfloat16 or float16, got ", weight_dtype);
   TORCH_CHECK_TYPE(!bias_dtype.has_value() || float_type(*bias_dtype), "lowbit.", kBackward,
                    ": argument 'bias_dtype' must be float32, bfloat16 or float16, got ", *bias_dtype);
-  if (compute_dx) {
-    check_dims(w_t, kBackward, "w_t", {2});
-    TORCH_CHECK_VALUE(w_t.sym_size(1) == dy.sym_size(1), "lowbit.", kBackward,
-                      ": argument 'w_t' [K, N] must have the N of 'dy' [M, N] (", dy.sym_size(1), "), got shape ",
-                      w_t.sym_sizes());
-    check_dtype(w_t, kBackward, "w_t", {at::kFloat8_e4m3fn});
-    check_dtype(w_t_scale, kBackward, "w_t_scale", {at::kFloat});
-    check_same_device(w_t, dy, kBackward, "w_t", "dy");
-    check_same_device(w_t_scale, dy, kBackward, "w_t_scale", "dy");
-    check_shape(w_t_scale, scale_shape(w_t.sym_size(0), w_t.sym_size(1), r.weight()), kBackward, "w_t_scale");
-  }
-  if (compute_dw) {
-    check_dims(x_t, kBackward, "x_t", {2});
-    TORCH_CHECK_VALUE(x_t.sym_size(1) == dy.sym_size(0), "lowbit.", kBackward,
-                      ": argument 'x_t' [K, M] must have the M of 'dy' [M, N] (", dy.sym_size(0), "), got shape ",
-                      x_t.sym_sizes());
-    check_dtype(x_t, kBackward, "x_t", {at::kFloat8_e4m3fn});
-    check_dtype(x_t_scale, kBackward, "x_t_scale", {at::kFloat});
-    check_same_device(x_t, dy, kBackward, "x_t", "dy");
-    check_same_device(x_t_scale, dy, kBackward, "x_t_scale", "dy");
-    check_shape(x_t_scale, scale_shape(x_t.sym_size(0), x_t.sym_size(1), r.activation()), kBackward, "x_t_scale");
-  }
+  // A saved transposed operand [K, dy_dim] (FP8 E4M3) and its scales, on dy's device.
+  auto check_saved = [&](const at::Tensor& t, const at::Tensor& scale, const char* name, const char* scale_name,
+                         const char* shape, int64_t dy_dim, const char* dim_name, Scaling scaling) {
+    check_dims(t, kBackward, name, {2});
+    TORCH_CHECK_VALUE(t.sym_size(1) == dy.sym_size(dy_dim), "lowbit.", kBackward, ": argument '", name, "' ",
+                      shape, " must have the ", dim_name, " of 'dy' [M, N] (", dy.sym_size(dy_dim),
+                      "), got shape ", t.sym_sizes());
+    check_dtype(t, kBackward, name, {at::kFloat8_e4m3fn});
+    check_dtype(scale, kBackward, scale_name, {at::kFloat});
+    check_same_device(t, dy, kBackward, name, "dy");
+    check_same_device(scale, dy, kBackward, scale_name, "dy");
+    check_shape(scale, scale_shape(t.sym_size(0), t.sym_size(1), scaling), kBackward, scale_name);
+  };
+  if (compute_dx) check_saved(w_t, w_t_scale, "w_t", "w_t_scale", "[K, N]", 1, "N", r.weight());
+  if (compute_dw) check_saved(x_t, x_t_scale, "x_t", "x_t_scale", "[K, M]", 0, "M", r.activation());
   check_history(amax_history, dy, r, kBackward);
 }
 
