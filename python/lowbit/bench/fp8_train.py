@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.bench.harness import Hardware, rotation_count, time_calls_in_turns
+from lowbit.bench.harness import Hardware, format_table, rotation_count, time_calls_in_turns
 
 SHAPES = [  # (M tokens, K in, N out)
     (16384, 4096, 14336), (16384, 14336, 4096), (16384, 4096, 4096),
@@ -199,6 +199,10 @@ def run(hw: Hardware, quick: bool, shapes=None, use_graph: bool = True):
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
             times, notes = _time_shape(hw, tuple(shape), ao, use_graph)
-        rows += make_rows(hw, tuple(shape), times, notes)
+        shape_rows = make_rows(hw, tuple(shape), times, notes)
+        # Each shape's rows as soon as they are measured (a long run cut
+        # short keeps them); the whole table follows at the end.
+        print(format_table(shape_rows, COLUMNS), flush=True)
+        rows += shape_rows
         torch.cuda.empty_cache()
     return rows, COLUMNS

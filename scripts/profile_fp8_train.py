@@ -1,0 +1,47 @@
+"""Where the time of one FP8 training step goes (development tool): forward
+and backward of one Fp8Linear per recipe (and nn.Linear in BF16), eager,
+under torch.profiler; prints each kernel's time per step, largest first.
+
+  python scripts/profile_fp8_train.py [M K N] [recipe ...]
+"""
+
+import sys
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from lowbit.nn import Fp8Linear
+
+args = sys.argv[1:]
+m, k, n = (int(v) for v in args[:3]) if len(args) >= 3 else (16384, 4096, 14336)
+recipes = args[3:] or ["bf16", "tensorwise", "delayed", "rowwise", "blockwise"]
+STEPS = 5
+
+base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+for recipe in recipes:
+    layer = base if recipe == "bf16" else Fp8Linear.from_linear(base, recipe=recipe)
+
+    def step():
+        y = layer(x)
+        torch.autograd.grad(y, (x, layer.weight), dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(ev.name[:90], [0.0, 0])
+            t[0] += ev.device_time_total
+            t[1] += 1
+    total = sum(v[0] for v in totals.values()) / STEPS
+    print(f"\n## {recipe}  M={m} K={k} N={n}: {total:.0f} us of kernels per step")
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"  {us / STEPS:9.1f} us  x{count // STEPS:<2d} {name}")
