@@ -102,6 +102,38 @@ TEST(ScaleRule, DividesRatherThanMultipliesByTheReciprocal) {
   }
 }
 
+TEST(ScaleRule, ReciprocalDivisionGivesTheDividedCodes) {
+  // The CUDA cast divides through the scale's reciprocal (div_by_scale);
+  // every code must equal the rule's (encode). Scales drawn like real ones
+  // (amax / fmax over a wide range), quotients spread over both formats'
+  // ranges down to below their smallest codes, a quarter placed on and next
+  // to the codes' rounding midpoints, signs (and -0) mixed.
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> log_s(-82.f, 102.f), log_q(-24.f, 17.f), unit(0.f, 1.f);
+  int checked = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    const Format f = i % 2 ? Format::kE5M2 : Format::kE4M3;
+    const float s = std::exp2(log_s(rng)) * (1.f + unit(rng));
+    if (!fast_division_ok(s)) continue;
+    float x = std::exp2(log_q(rng)) * s;
+    if (i % 8 < 2) {  // a midpoint between two neighbouring codes, or next to it
+      const int code = 1 + static_cast<int>(unit(rng) * (f == Format::kE4M3 ? 125 : 122));
+      const float mid = 0.5f * (fp8_to_float(code, f) + fp8_to_float(code + 1, f));
+      x = mid * s;
+      if (i % 8 == 1) x = std::nextafter(x, (i & 16) ? INFINITY : 0.f);
+    }
+    if (i % 1000 == 3) x = 0.f;
+    if (unit(rng) < 0.5f) x = -x;
+    const uint8_t fast = float_to_fp8(div_by_scale(x, s, 1.0f / s), f), exact = encode(x, s, f);
+    ASSERT_EQ(fast, exact) << x << " / " << s << (f == Format::kE4M3 ? " e4m3" : " e5m2");
+    ++checked;
+  }
+  EXPECT_GT(checked, 1000000);
+  EXPECT_FALSE(fast_division_ok(0x1p-81f));
+  EXPECT_FALSE(fast_division_ok(INFINITY));
+  EXPECT_FALSE(fast_division_ok(std::nanf("")));
+}
+
 TEST(CastCpu, BlockScalesPerTileAndTransposedCopy) {
   // 130 x 200: partial tiles in both directions; element (i, j) = i - j.
   const int64_t rows = 130, cols = 200;

@@ -175,7 +175,10 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 16), (130, 300), (512, 384), (0, 64)])
+# Shapes reach the kernel's vector and element paths: cols % 8 != 0
+# (element loads), partial 128 x 128 tiles with whole vectors (200 x 264:
+# transposed rows stored bytewise, 272 x 520: in 16-byte pieces), whole tiles.
+@pytest.mark.parametrize("shape", [(1, 16), (130, 300), (200, 264), (272, 520), (512, 384), (0, 64)])
 def test_cuda_matches_cpu_bitwise(scaling, fmt, dtype, shape):
     x = torch.randn(shape, generator=seeded("cuda", scaling, fmt, dtype, shape)).to(dtype) * 5
     if x.numel() > 200:
@@ -191,6 +194,25 @@ def test_cuda_matches_cpu_bitwise(scaling, fmt, dtype, shape):
     if scaling == "tensor":
         s = torch.tensor(0.03)
         for g, w in zip(lowbit.fp8_cast(x.cuda(), scaling, fmt, True, s.cuda()), lowbit.fp8_cast(x, scaling, fmt, True, s)):
+            torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("magnitude", [1e-33, 1e-25, 3e30, 3e33])
+def test_cuda_extreme_magnitudes_and_misaligned_input(scaling, magnitude):
+    # Scales far from 1 leave the kernel's reciprocal division for the IEEE
+    # one (below 2^-80, above 2^100); an input starting 2 bytes into its
+    # storage takes the element loads.
+    gen = seeded("extreme", scaling, magnitude)
+    base = (torch.randn(272 * 264 + 1, generator=gen) * magnitude).to(torch.bfloat16)
+    x = base[1:].view(272, 264)
+    xc = base.cuda()[1:].view(272, 264)
+    assert xc.data_ptr() % 16 != 0
+    for fmt in FORMATS:
+        got = lowbit.fp8_cast(xc, scaling, fmt, True)
+        want = lowbit.fp8_cast(x, scaling, fmt, True)
+        for g, w in zip(got, want):
             torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
 
 

@@ -1,13 +1,21 @@
 // CUDA kernels of the FP8 cast (rules in fp8_format.h, reference in
-// fp8_cast_cpu.cpp). A CTA owns one 128 x 128 tile of the input: thread t
-// reads column t % 128 of rows t / 128, t / 128 + 2, ..., so a warp reads 32
-// consecutive elements of one row. The transposed copy is staged in shared
-// memory and stored row by row of the transpose.
+// fp8_cast_cpu.cpp).
 //
-// First version, not tuned (no vector loads, byte stores); tensor and row
-// scaling read the input twice (amax pass, cast pass): fusing them needs the
-// amax before the codes, e.g. from the previous step (delayed scaling) or a
-// grid-wide barrier.
+// A CTA owns one 128 x 128 tile of the input and holds it in registers:
+// thread t reads 8 consecutive columns (one 16-byte vector of BF16) at column
+// group t % 16 of rows 4 g .. 4 g + 3 and 64 + 4 g .. 64 + 4 g + 3 (g = t / 16),
+// so half a warp reads one 256-byte row segment. Each row's codes go out as
+// 8-byte stores. For the transposed copy, a thread's 4 consecutive rows give
+// one 32-bit word per column; the words are staged in shared memory (word
+// positions XOR-swizzled by column group, so a warp's stores hit 32 banks)
+// and leave as 16-byte pieces of the transpose's rows.
+//
+// Tensor scaling with a computed scale and row scaling need the whole
+// tensor's (row's, column's) amax before the first code: an amax pass over
+// the same tiles runs first. A given scale (delayed scaling) and block
+// scaling need one pass, which also makes the amax.
+// The element rule's division goes through the scale's reciprocal
+// (div_by_scale in fp8_format.h, exact on the scales it is used for).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,14 +25,35 @@ namespace lowbit::fp8 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowStep = kThreads / kBlockSize;  // rows a CTA pass advances by
+constexpr int kVec = 8;                                        // columns per thread
+constexpr int kColGroups = kBlockSize / kVec;                  // 16 threads span a tile row
+constexpr int kRowGroups = kThreads / kColGroups;              // 16
+constexpr int kGroupRows = 4;                                  // consecutive rows per thread and pass
+constexpr int kPassRows = kRowGroups * kGroupRows;             // 64
+constexpr int kPasses = kBlockSize / kPassRows;                // 2
+constexpr int kWords = kBlockSize / kGroupRows;                // 32-bit words per transposed tile row
+constexpr int kWarps = kThreads / 32;
+static_assert(kPasses * kPassRows == kBlockSize && kColGroups * kVec == kBlockSize, "tile split");
+
+// The tile's elements a thread owns, kept in the input's type (BF16 costs
+// half the registers of FP32, which lets two CTAs share an SM).
+template <typename T>
+using TileValues = T[kPasses][kGroupRows][kVec];
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-// NaN-propagating max of two amaxes (>= 0 or NaN).
-__device__ __forceinline__ float amax2(float a, float b) { return nan_propagating_absmax(a, b); }
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, T* v) {
+  static_assert(sizeof(T) * kVec % 16 == 0, "whole 16-byte vectors");
+#pragma unroll
+  for (int k = 0; k < int(sizeof(T)) * kVec / 16; ++k)
+    reinterpret_cast<uint4*>(v)[k] = reinterpret_cast<const uint4*>(p)[k];
+}
+
+// NaN-propagating max of an amax (>= 0 or NaN) and |v|.
+__device__ __forceinline__ float amax2(float a, float v) { return nan_propagating_absmax(a, v); }
 
 // Amaxes are >= 0 (or a positive NaN, whose bits order above inf), so their
 // bits order as unsigned and atomicMax on the bits is a float max.
@@ -33,61 +62,146 @@ __device__ __forceinline__ void atomic_amax(float* p, float v) {
 }
 __device__ __forceinline__ void atomic_amax(unsigned* p, float v) { atomicMax(p, __float_as_uint(v)); }
 
+// Over the 16 lanes of a tile row (lanes sharing bits 4.. of the lane id);
+// every lane gets the result.
+__device__ __forceinline__ float row_amax(float v) {
+#pragma unroll
+  for (int o = kColGroups / 2; o > 0; o /= 2) v = amax2(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 __device__ __forceinline__ float warp_amax(float v) {
+#pragma unroll
   for (int o = 16; o > 0; o /= 2) v = amax2(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
 struct Tile {
   int64_t row0, col0;  // the tile's first element
-  int c, r0;           // this thread's column in the tile, its first row
-  __device__ Tile() {
-    row0 = int64_t(blockIdx.x) * kBlockSize;
-    col0 = int64_t(blockIdx.y) * kBlockSize;
-    c = threadIdx.x % kBlockSize;
-    r0 = threadIdx.x / kBlockSize;
-  }
+  int cg, g;           // this thread's column group and row group
+  __device__ Tile()
+      : row0(int64_t(blockIdx.x) * kBlockSize),
+        col0(int64_t(blockIdx.y) * kBlockSize),
+        cg(int(threadIdx.x) % kColGroups),
+        g(int(threadIdx.x) / kColGroups) {}
+  __device__ int row(int pass, int q) const { return pass * kPassRows + g * kGroupRows + q; }
+  __device__ int col(int e) const { return cg * kVec + e; }
 };
 
-// Amaxes of the tile: every thread's column amax (returned), each row's amax
-// through `row_sink(r, v)` (from lane 0 of the warp that read it), and the
-// CTA's share of the tensor amax through atomic_amax(total).
-template <typename T, typename RowSink>
-__device__ float tile_amaxes(const T* x, int64_t rows, int64_t cols, const Tile& t, float* total, RowSink row_sink) {
-  const int64_t j = t.col0 + t.c;
-  float col = 0.f;
-  for (int r = t.r0; r < kBlockSize; r += kRowStep) {
-    const int64_t i = t.row0 + r;
-    if (i >= rows) break;  // whole warps: i depends on the warp only
-    const float v = j < cols ? to_float(x[i * cols + j]) : 0.f;
-    col = amax2(col, v);
-    const float row = warp_amax(fabsf(v));
-    if (threadIdx.x % 32 == 0) row_sink(r, row);
-  }
-  const float cta = warp_amax(col);
-  if (threadIdx.x % 32 == 0) atomic_amax(total, cta);
-  return col;
+// The tile's elements this thread owns (0 outside the tensor). `vec`: rows
+// are 16-byte aligned with whole 8-element vectors (cols % 8 == 0).
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* x, int64_t rows, int64_t cols, bool vec, const Tile& t,
+                                          TileValues<T>& v) {
+  const int64_t j0 = t.col0 + t.col(0);
+  const bool whole = vec && j0 + kVec <= cols;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p)
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q) {
+      const int64_t i = t.row0 + t.row(p, q);
+      if (i < rows && whole) {
+        load8(x + i * cols + j0, v[p][q]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[p][q][e] = i < rows && j0 + e < cols ? x[i * cols + j0 + e] : T(0.f);
+      }
+    }
 }
 
-// Tensor amax (and, with row_amax / col_amax, every row's and column's).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t rows, int64_t cols, float* total,
-                                                        unsigned* row_amax, unsigned* col_amax) {
+__device__ __forceinline__ float thread_amax(const TileValues<T>& v) {
+  float m = 0.f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p)
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) m = amax2(m, to_float(v[p][q][e]));
+  return m;
+}
+
+// Each of this thread's columns' amax over the tile's 128 rows, through
+// shared memory (`red` [kWarps][128], `col` [128]).
+template <typename T>
+__device__ __forceinline__ void tile_column_amaxes(const TileValues<T>& v, const Tile& t, unsigned (*red)[kBlockSize],
+                                                   unsigned* col, float (&out)[kVec]) {
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    float c = 0.f;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+#pragma unroll
+      for (int q = 0; q < kGroupRows; ++q) c = amax2(c, to_float(v[p][q][e]));
+    c = amax2(c, __shfl_xor_sync(0xffffffffu, c, 16));  // the warp's other row group
+    if (threadIdx.x % 32 < kColGroups) red[warp][t.col(e)] = __float_as_uint(c);
+  }
+  __syncthreads();
+  if (threadIdx.x < kBlockSize) {
+    float c = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) c = amax2(c, __uint_as_float(red[w][threadIdx.x]));
+    col[threadIdx.x] = __float_as_uint(c);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) out[e] = __uint_as_float(col[t.col(e)]);
+}
+
+// The CTA's amax (every thread gets it), through shared memory `red` [kWarps].
+__device__ __forceinline__ float tile_amax(float m, unsigned* red) {
+  m = warp_amax(m);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = __float_as_uint(m);
+  __syncthreads();
+  float all = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) all = amax2(all, __uint_as_float(red[w]));
+  return all;
+}
+
+// The amax pass of tensor and row scaling: the tensor's amax and, with
+// rows_out / cols_out, every row's and column's.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) amax_kernel(const T* x, int64_t rows, int64_t cols, bool vec, float* total,
+                                                        unsigned* rows_out, unsigned* cols_out) {
+  __shared__ unsigned red[kWarps][kBlockSize];
+  __shared__ unsigned col[kBlockSize];
   const Tile t;
-  const float col = tile_amaxes(x, rows, cols, t, total, [&](int r, float v) {
-    if (row_amax) atomic_amax(row_amax + t.row0 + r, v);
-  });
-  const int64_t j = t.col0 + t.c;
-  if (col_amax && j < cols) atomic_amax(col_amax + j, col);
+  TileValues<T> v;
+  load_tile(x, rows, cols, vec, t, v);
+  const float m = warp_amax(thread_amax(v));
+  if (threadIdx.x % 32 == 0) atomic_amax(total, m);
+  if (rows_out == nullptr) return;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p)
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q) {
+      float r = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[p][q][e]));
+      r = row_amax(r);
+      const int64_t i = t.row0 + t.row(p, q);
+      if (t.cg == 0 && i < rows) atomic_amax(rows_out + i, r);
+    }
+  float c[kVec];
+  tile_column_amaxes(v, t, red, col, c);
+  if (t.g == 0) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      if (t.col0 + t.col(e) < cols) atomic_amax(cols_out + t.col0 + t.col(e), c[e]);
+  }
 }
 
 struct CastParams {
   int64_t rows, cols;
   Scaling scaling;
-  Format format;
   bool pow2;
+  bool vec_in;   // input rows 16-byte aligned, cols % 8 == 0
+  bool vec_out;  // data rows take 8-byte stores (cols % 8 == 0)
+  bool vec_t;    // data_t rows take 16-byte stores (rows % 16 == 0, aligned)
   const float* given_scale;
-  const unsigned* row_amax;  // kRow: [rows] then [cols], from amax_kernel
+  const unsigned* row_amax;  // kRow: [rows] and [cols], from amax_kernel
   const unsigned* col_amax;
   uint8_t* data;
   float* scale;
@@ -97,91 +211,175 @@ struct CastParams {
   float* amax;
 };
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, CastParams p) {
-  __shared__ unsigned row_bits[kBlockSize], col_bits[kBlockSize];
-  __shared__ float row_s[kBlockSize], col_s[kBlockSize];
-  __shared__ uint8_t tile_t[kBlockSize][kBlockSize + 4];
+// A scale and what dividing by it needs.
+struct Divisor {
+  float s = 1.f, r = 1.f;
+  bool fast = true;
+  Divisor() = default;
+  __device__ explicit Divisor(float scale) : s(scale), r(nvfp4::reciprocal_rn(scale)), fast(fast_division_ok(scale)) {}
+  template <Format F>
+  __device__ __forceinline__ uint32_t encode(float x) const {
+    return float_to_fp8(fast ? div_by_scale(x, s, r) : div_rn(x, s), F);
+  }
+};
+
+template <typename T, Format F>
+__global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParams p) {
+  __shared__ unsigned red[kWarps][kBlockSize];
+  __shared__ unsigned col_bits[kBlockSize];
+  __shared__ __align__(16) uint32_t tile_t[kBlockSize][kWords];  // [column][row word], swizzled (store_transposed)
   const Tile t;
-  const float fmax = format_max(p.format);
+  TileValues<T> v;
+  load_tile(x, p.rows, p.cols, p.vec_in, t, v);
+  const float fmax = format_max(F);
   auto scale_of = [&](float amax) { return scale_from_amax(amax, fmax, 0, p.pow2); };
   const int64_t kb = ceil_div128(p.cols), mb = ceil_div128(p.rows);
-  const int64_t j = t.col0 + t.c;
+  const bool first_tile = blockIdx.x == 0 && blockIdx.y == 0;
 
-  if (p.scaling == Scaling::kBlock || p.scaling == Scaling::kBlock2d) {
-    if (threadIdx.x < kBlockSize) row_bits[threadIdx.x] = 0u;
-    __syncthreads();
-    const float col = tile_amaxes(x, p.rows, p.cols, t, p.amax, [&](int r, float v) { atomicMax(row_bits + r, __float_as_uint(v)); });
-    // The two threads of a column combine theirs.
-    if (t.r0 == 0) col_bits[t.c] = __float_as_uint(col);
-    __syncthreads();
-    if (t.r0 == 1) atomicMax(col_bits + t.c, __float_as_uint(col));
-    __syncthreads();
+  // Every scale this thread's elements need: per row (rs) and per column (cs).
+  float rs[kPasses][kGroupRows], cs[kVec];
+  switch (p.scaling) {
+    case Scaling::kTensor: {
+      float s;
+      if (p.given_scale) {  // one pass: this pass makes the amax
+        s = *p.given_scale;
+        const float m = warp_amax(thread_amax(v));
+        if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
+      } else {
+        s = scale_of(*p.amax);
+      }
+      for (auto& r : rs) for (float& e : r) e = s;
+      for (float& e : cs) e = s;
+      if (first_tile && threadIdx.x == 0) {
+        *p.scale = s;
+        if (p.transpose) *p.scale_t = s;
+      }
+      break;
+    }
+    case Scaling::kRow:
+#pragma unroll
+      for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+        for (int q = 0; q < kGroupRows; ++q) {
+          const int64_t i = t.row0 + t.row(a, q);
+          rs[a][q] = i < p.rows ? scale_of(__uint_as_float(p.row_amax[i])) : 1.f;
+          if (blockIdx.y == 0 && t.cg == 0 && i < p.rows) p.scale[i] = rs[a][q];
+        }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int64_t j = t.col0 + t.col(e);
+        cs[e] = j < p.cols ? scale_of(__uint_as_float(p.col_amax[j])) : 1.f;
+        if (p.transpose && blockIdx.x == 0 && t.g == 0 && j < p.cols) p.scale_t[j] = cs[e];
+      }
+      break;
+    case Scaling::kBlock: {
+      const float m = warp_amax(thread_amax(v));
+      if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
+#pragma unroll
+      for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+        for (int q = 0; q < kGroupRows; ++q) {
+          float r = 0.f;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[a][q][e]));
+          rs[a][q] = scale_of(row_amax(r));
+          const int64_t i = t.row0 + t.row(a, q);
+          if (t.cg == 0 && i < p.rows) p.scale[i * kb + blockIdx.y] = rs[a][q];
+        }
+      float c[kVec];
+      tile_column_amaxes(v, t, red, col_bits, c);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        cs[e] = scale_of(c[e]);
+        const int64_t j = t.col0 + t.col(e);
+        if (p.transpose && t.g == 0 && j < p.cols) p.scale_t[j * mb + blockIdx.x] = cs[e];
+      }
+      break;
+    }
+    case Scaling::kBlock2d: {
+      const float m = tile_amax(thread_amax(v), red[0]);
+      if (threadIdx.x == 0) atomic_amax(p.amax, m);
+      const float s = scale_of(m);
+      for (auto& r : rs) for (float& e : r) e = s;
+      for (float& e : cs) e = s;
+      if (threadIdx.x == 0) {
+        p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = s;
+        if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = s;
+      }
+      break;
+    }
   }
 
-  if (threadIdx.x < kBlockSize) {
-    const int k = threadIdx.x;
-    float rs = 0.f, cs = 0.f;
-    switch (p.scaling) {
-      case Scaling::kTensor:
-        rs = cs = p.given_scale ? *p.given_scale : scale_of(*p.amax);
-        break;
-      case Scaling::kRow:
-        rs = t.row0 + k < p.rows ? scale_of(__uint_as_float(p.row_amax[t.row0 + k])) : 1.f;
-        cs = t.col0 + k < p.cols ? scale_of(__uint_as_float(p.col_amax[t.col0 + k])) : 1.f;
-        break;
-      case Scaling::kBlock:
-        rs = scale_of(__uint_as_float(row_bits[k]));
-        cs = scale_of(__uint_as_float(col_bits[k]));
-        break;
-      case Scaling::kBlock2d: {
-        float m = 0.f;  // the tile's amax: every thread reads the 128 column amaxes
-        for (int q = 0; q < kBlockSize; ++q) m = amax2(m, __uint_as_float(col_bits[q]));
-        rs = cs = scale_of(m);
-        break;
+  // Codes: each row's 8 go out at once; the transposed copy's are gathered
+  // into words (4 rows of one column), from the row codes where data and
+  // data_t share the scale.
+  const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
+  const int64_t j0 = t.col0 + t.col(0);
+  Divisor dc[kVec];
+  if (p.transpose && !same_scale)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dc[e] = Divisor(cs[e]);
+  uint32_t words[kPasses][kVec];
+#pragma unroll
+  for (int a = 0; a < kPasses; ++a) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) words[a][e] = 0u;
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q) {
+      const Divisor d(rs[a][q]);
+      uint32_t code[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) code[e] = d.encode<F>(to_float(v[a][q][e]));
+      const int64_t i = t.row0 + t.row(a, q);
+      if (i < p.rows) {
+        uint8_t* out = p.data + i * p.cols + j0;
+        if (p.vec_out && j0 + kVec <= p.cols) {
+          uint2 packed;
+          packed.x = code[0] | code[1] << 8 | code[2] << 16 | code[3] << 24;
+          packed.y = code[4] | code[5] << 8 | code[6] << 16 | code[7] << 24;
+          *reinterpret_cast<uint2*>(out) = packed;
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (j0 + e < p.cols) out[e] = static_cast<uint8_t>(code[e]);
+        }
+      }
+      if (!p.transpose) continue;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const uint32_t c = same_scale ? code[e] : dc[e].encode<F>(to_float(v[a][q][e]));
+        words[a][e] |= c << (8 * q);
       }
     }
-    row_s[k] = rs;
-    col_s[k] = cs;
-    const int64_t i = t.row0 + k, jj = t.col0 + k;
-    switch (p.scaling) {
-      case Scaling::kTensor:
-        if (blockIdx.x == 0 && blockIdx.y == 0 && k == 0) {
-          *p.scale = rs;
-          if (p.transpose) *p.scale_t = rs;
-        }
-        break;
-      case Scaling::kRow:
-        if (blockIdx.y == 0 && i < p.rows) p.scale[i] = rs;
-        if (p.transpose && blockIdx.x == 0 && jj < p.cols) p.scale_t[jj] = cs;
-        break;
-      case Scaling::kBlock:
-        if (i < p.rows) p.scale[i * kb + blockIdx.y] = rs;
-        if (p.transpose && jj < p.cols) p.scale_t[jj * mb + blockIdx.x] = cs;
-        break;
-      case Scaling::kBlock2d:
-        if (k == 0) {
-          p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = rs;
-          if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = rs;
-        }
-        break;
-    }
-  }
-  __syncthreads();
-
-  for (int r = t.r0; r < kBlockSize; r += kRowStep) {
-    const int64_t i = t.row0 + r;
-    if (i >= p.rows || j >= p.cols) continue;
-    const float v = to_float(x[i * p.cols + j]);
-    p.data[i * p.cols + j] = encode(v, row_s[r], p.format);
-    if (p.transpose) tile_t[t.c][r] = encode(v, col_s[t.c], p.format);
   }
   if (!p.transpose) return;
+
+  // Word w of transposed row c (rows 4 w .. 4 w + 3 of the tile) sits at
+  // position w ^ (2 * (c / 8)): a warp's 32 stores (16 column groups x 2 row
+  // groups) land in 32 different banks.
+#pragma unroll
+  for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) tile_t[t.col(e)][(a * kRowGroups + t.g) ^ (2 * t.cg)] = words[a][e];
   __syncthreads();
-  for (int e = threadIdx.x; e < kBlockSize * kBlockSize; e += kThreads) {
-    const int cc = e / kBlockSize, rr = e % kBlockSize;
-    const int64_t jj = t.col0 + cc, i = t.row0 + rr;
-    if (jj < p.cols && i < p.rows) p.data_t[jj * p.rows + i] = tile_t[cc][rr];
+  // Thread reads 16 bytes (transposed row c, rows 16 k .. 16 k + 15).
+  constexpr int kPieces = kBlockSize / 16;
+#pragma unroll
+  for (int it = 0; it < kBlockSize * kPieces / kThreads; ++it) {
+    const int c = it * (kThreads / kPieces) + int(threadIdx.x) / kPieces, k = int(threadIdx.x) % kPieces;
+    const int64_t j = t.col0 + c;
+    if (j >= p.cols) continue;
+    const int swz = 2 * (c / kVec);
+    uint4 w = *reinterpret_cast<const uint4*>(&tile_t[c][(4 * k) ^ (swz & ~3)]);
+    if (swz & 2) w = make_uint4(w.z, w.w, w.x, w.y);  // the XOR swapped the halves
+    const int64_t i0 = t.row0 + 16 * k;
+    uint8_t* out = p.data_t + j * p.rows + i0;
+    if (p.vec_t && i0 + 16 <= p.rows) {
+      *reinterpret_cast<uint4*>(out) = w;
+    } else {
+      const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+      for (int b = 0; b < 16 && i0 + b < p.rows; ++b) out[b] = static_cast<uint8_t>(ws[b / 4] >> (8 * (b % 4)));
+    }
   }
 }
 
@@ -213,13 +411,17 @@ cudaError_t fill(float* s, int64_t n, const float* given, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T>
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <typename T, Format F>
 cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.input);
   const dim3 grid(unsigned(ceil_div128(a.rows)), unsigned(ceil_div128(a.cols)));
-  CastParams p{a.rows, a.cols, a.scaling, a.format, a.pow2, a.given_scale, nullptr, nullptr,
-               a.data, a.scale, a.transpose, a.data_t, a.scale_t, a.amax};
-  if (a.scaling == Scaling::kTensor || a.scaling == Scaling::kRow) {
+  const bool vec_in = a.cols % kVec == 0 && aligned(x, 16);
+  CastParams p{a.rows, a.cols, a.scaling, a.pow2,
+               vec_in, a.cols % kVec == 0 && aligned(a.data, 8), a.rows % 16 == 0 && aligned(a.data_t, 16),
+               a.given_scale, nullptr, nullptr, a.data, a.scale, a.transpose, a.data_t, a.scale_t, a.amax};
+  if ((a.scaling == Scaling::kTensor && a.given_scale == nullptr) || a.scaling == Scaling::kRow) {
     unsigned* row_amax = nullptr;
     unsigned* col_amax = nullptr;
     if (a.scaling == Scaling::kRow) {
@@ -228,14 +430,19 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
       cudaError_t err = cudaMemsetAsync(row_amax, 0, cast_workspace_bytes(a), stream);
       if (err != cudaSuccess) return err;
     }
-    amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a.rows, a.cols, a.amax, row_amax, col_amax);
+    amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a.rows, a.cols, vec_in, a.amax, row_amax, col_amax);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     p.row_amax = row_amax;
     p.col_amax = col_amax;
   }
-  cast_kernel<T><<<grid, kThreads, 0, stream>>>(x, p);
+  cast_kernel<T, F><<<grid, kThreads, 0, stream>>>(x, p);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
+  return a.format == Format::kE4M3 ? launch<T, Format::kE4M3>(a, stream) : launch<T, Format::kE5M2>(a, stream);
 }
 
 }  // namespace

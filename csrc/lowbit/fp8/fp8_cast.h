@@ -61,9 +61,10 @@ void cast_cpu(const CastArgs& args);
 void scale_from_amax_cpu(const ScaleArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
-// Tensor and row scaling: an amax pass, then the cast pass (the scales need
-// the whole tensor's / column's amax before any code is written). Block
-// scaling: one pass, each CTA owning whole 128 x 128 tiles.
+// Tensor scaling with a computed scale and row scaling: an amax pass, then
+// the cast pass (the scales need the whole tensor's / column's amax before
+// any code is written). A given scale and block scaling: one pass, each CTA
+// owning whole 128 x 128 tiles.
 cudaError_t cast_cuda(const CastArgs& args, cudaStream_t stream);
 cudaError_t scale_from_amax_cuda(const ScaleArgs& args, cudaStream_t stream);
 #endif

@@ -134,4 +134,22 @@ LOWBIT_HD float scale_from_amax(float amax, float fmax, int margin, bool pow2) {
 
 LOWBIT_HD uint8_t encode(float x, float scale, Format f) { return float_to_fp8(div_rn(x, scale), f); }
 
+// The element rule's division for the CUDA cast's hot loop: x / s through
+// r = 1/s (rounded to nearest) and one Markstein step
+// (nvfp4::div_with_reciprocal), with the sign of x (so -0 stays -0). For s
+// in [2^-80, 2^100] (fast_division_ok) every quotient of magnitude >= 2^-18
+// comes out correctly rounded (x >= 2^-98 keeps the remainder exact), and
+// smaller ones stay below 2^-17, E5M2's first rounding midpoint (E4M3's is
+// 2^-10), so the FP8 code equals encode()'s; tests/cpp checks it. Other
+// scales (tiny, huge, inf, NaN) take div_rn.
+LOWBIT_HD bool fast_division_ok(float s) { return s >= 0x1p-80f && s <= 0x1p100f; }
+
+LOWBIT_HD float div_by_scale(float x, float s, float r) {
+#if defined(__CUDA_ARCH__)
+  return copysignf(nvfp4::div_with_reciprocal(x, s, r), x);
+#else
+  return std::copysign(nvfp4::div_with_reciprocal(x, s, r), x);
+#endif
+}
+
 }  // namespace lowbit::fp8
