@@ -1,6 +1,7 @@
 """Where the time of one FP8 training step goes (development tool): forward
-and backward of one Fp8Linear per recipe (and nn.Linear in BF16), eager,
-under torch.profiler; prints each kernel's time per step, largest first.
+and backward of one Fp8Linear per recipe (nn.Linear for "bf16", torchao's
+float8 training for "torchao:<recipe>"), compiled (fullgraph), under
+torch.profiler; prints each kernel's time per step, largest first.
 
   python scripts/profile_fp8_train.py [M K N] [recipe ...]
 """
@@ -22,10 +23,18 @@ base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 for recipe in recipes:
-    layer = base if recipe == "bf16" else Fp8Linear.from_linear(base, recipe=recipe)
+    if recipe == "bf16":
+        layer = base
+    elif recipe.startswith("torchao:"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        layer = convert_to_float8_training(base, config=Float8LinearConfig.from_recipe_name(recipe.split(":")[1]))
+    else:
+        layer = Fp8Linear.from_linear(base, recipe=recipe)
+    compiled = torch.compile(layer, fullgraph=True)
 
     def step():
-        y = layer(x)
+        y = compiled(x)
         torch.autograd.grad(y, (x, layer.weight), dy)
 
     for _ in range(3):

@@ -18,7 +18,11 @@
 // (div_by_scale in fp8_format.h, exact on the scales it is used for).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
+#include <algorithm>
+
+#include "lowbit/arch/cuda_utils.cuh"
 #include "lowbit/fp8/fp8_cast.h"
 
 namespace lowbit::fp8 {
@@ -193,6 +197,39 @@ __global__ void __launch_bounds__(kThreads, 2) amax_kernel(const T* x, int64_t r
   }
 }
 
+// The amax pass of tensor scaling over a 16-byte aligned input: a
+// grid-stride reduction over 16-byte vectors with kAmaxUnroll loads in
+// flight per thread (the tile kernel's syncs and per-tile CTAs leave HBM
+// idle between tiles).
+constexpr int kAmaxUnroll = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) tensor_amax_kernel(const T* x, int64_t n, float* total) {
+  constexpr int kPer = 16 / int(sizeof(T));
+  const int64_t vecs = n / kPer;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  float m = 0.f;
+  const int64_t stride = int64_t(gridDim.x) * kThreads * kAmaxUnroll;
+  for (int64_t base = int64_t(blockIdx.x) * kThreads * kAmaxUnroll + threadIdx.x; base < vecs; base += stride) {
+    uint4 u[kAmaxUnroll];
+#pragma unroll
+    for (int k = 0; k < kAmaxUnroll; ++k) {
+      const int64_t idx = base + int64_t(k) * kThreads;
+      u[k] = idx < vecs ? xv[idx] : make_uint4(0u, 0u, 0u, 0u);  // zero bits: +0 in every type
+    }
+#pragma unroll
+    for (int k = 0; k < kAmaxUnroll; ++k) {
+      const T* e = reinterpret_cast<const T*>(&u[k]);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) m = amax2(m, to_float(e[j]));
+    }
+  }
+  if (blockIdx.x == 0)  // the last n % kPer elements
+    for (int64_t i = vecs * kPer + threadIdx.x; i < n; i += kThreads) m = amax2(m, to_float(x[i]));
+  m = warp_amax(m);
+  if (threadIdx.x % 32 == 0) atomic_amax(total, m);
+}
+
 struct CastParams {
   int64_t rows, cols;
   Scaling scaling;
@@ -221,7 +258,27 @@ struct Divisor {
   __device__ __forceinline__ uint32_t encode(float x) const {
     return float_to_fp8(fast ? div_by_scale(x, s, r) : div_rn(x, s), F);
   }
+  // Codes of a and b in the low and high byte. `pairs`: neither quotient can
+  // be NaN (the fast division, no NaN among the values), so one conversion
+  // instruction takes both; otherwise the element rule maps NaN to 0x7f.
+  template <Format F>
+  __device__ __forceinline__ uint32_t encode2(float a, float b, bool pairs) const {
+    if (!pairs) return encode<F>(a) | encode<F>(b) << 8;
+    const float2 q = make_float2(div_by_scale(a, s, r), div_by_scale(b, s, r));
+    return __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, F == Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+  }
 };
+
+// Byte e of rows r[0..3] (each 4 codes of consecutive columns) gathered into
+// word e: a 4 x 4 byte transpose.
+__device__ __forceinline__ void transpose4x4(const uint32_t (&r)[4], uint32_t* w) {
+  const uint32_t a01 = __byte_perm(r[0], r[1], 0x5140), b01 = __byte_perm(r[0], r[1], 0x7362);
+  const uint32_t a23 = __byte_perm(r[2], r[3], 0x5140), b23 = __byte_perm(r[2], r[3], 0x7362);
+  w[0] = __byte_perm(a01, a23, 0x5410);
+  w[1] = __byte_perm(a01, a23, 0x7632);
+  w[2] = __byte_perm(b01, b23, 0x5410);
+  w[3] = __byte_perm(b01, b23, 0x7632);
+}
 
 template <typename T, Format F>
 __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParams p) {
@@ -237,13 +294,18 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   const bool first_tile = blockIdx.x == 0 && blockIdx.y == 0;
 
   // Every scale this thread's elements need: per row (rs) and per column (cs).
+  // A NaN element makes its group's computed scale NaN, which takes the
+  // element rule (Divisor::fast is false); only a given scale needs `clean`.
   float rs[kPasses][kGroupRows], cs[kVec];
+  bool clean = true;
   switch (p.scaling) {
     case Scaling::kTensor: {
       float s;
       if (p.given_scale) {  // one pass: this pass makes the amax
         s = *p.given_scale;
-        const float m = warp_amax(thread_amax(v));
+        const float mine = thread_amax(v);
+        clean = !is_nan(mine);  // a given scale does not reveal a NaN
+        const float m = warp_amax(mine);
         if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
       } else {
         s = scale_of(*p.amax);
@@ -311,8 +373,8 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   }
 
   // Codes: each row's 8 go out at once; the transposed copy's are gathered
-  // into words (4 rows of one column), from the row codes where data and
-  // data_t share the scale.
+  // into words (4 rows of one column): a byte transpose of the row codes
+  // where data and data_t share the scale, else their own codes.
   const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
   const int64_t j0 = t.col0 + t.col(0);
   Divisor dc[kVec];
@@ -322,33 +384,36 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   uint32_t words[kPasses][kVec];
 #pragma unroll
   for (int a = 0; a < kPasses; ++a) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) words[a][e] = 0u;
+    uint32_t lo[kGroupRows], hi[kGroupRows];  // codes of columns 0-3 and 4-7, per row
 #pragma unroll
     for (int q = 0; q < kGroupRows; ++q) {
       const Divisor d(rs[a][q]);
-      uint32_t code[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) code[e] = d.encode<F>(to_float(v[a][q][e]));
+      const bool pairs = clean && d.fast;
+      auto f = [&](int e) { return to_float(v[a][q][e]); };
+      lo[q] = d.encode2<F>(f(0), f(1), pairs) | d.encode2<F>(f(2), f(3), pairs) << 16;
+      hi[q] = d.encode2<F>(f(4), f(5), pairs) | d.encode2<F>(f(6), f(7), pairs) << 16;
       const int64_t i = t.row0 + t.row(a, q);
       if (i < p.rows) {
         uint8_t* out = p.data + i * p.cols + j0;
         if (p.vec_out && j0 + kVec <= p.cols) {
-          uint2 packed;
-          packed.x = code[0] | code[1] << 8 | code[2] << 16 | code[3] << 24;
-          packed.y = code[4] | code[5] << 8 | code[6] << 16 | code[7] << 24;
-          *reinterpret_cast<uint2*>(out) = packed;
+          *reinterpret_cast<uint2*>(out) = make_uint2(lo[q], hi[q]);
         } else {
 #pragma unroll
           for (int e = 0; e < kVec; ++e)
-            if (j0 + e < p.cols) out[e] = static_cast<uint8_t>(code[e]);
+            if (j0 + e < p.cols) out[e] = static_cast<uint8_t>((e < 4 ? lo[q] : hi[q]) >> (8 * (e % 4)));
         }
       }
-      if (!p.transpose) continue;
+    }
+    if (!p.transpose) continue;
+    if (same_scale) {
+      transpose4x4(lo, words[a]);
+      transpose4x4(hi, words[a] + 4);
+    } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const uint32_t c = same_scale ? code[e] : dc[e].encode<F>(to_float(v[a][q][e]));
-        words[a][e] |= c << (8 * q);
+        const bool pairs = clean && dc[e].fast;
+        auto f = [&](int q) { return to_float(v[a][q][e]); };
+        words[a][e] = dc[e].encode2<F>(f(0), f(1), pairs) | dc[e].encode2<F>(f(2), f(3), pairs) << 16;
       }
     }
   }
@@ -430,7 +495,13 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
       cudaError_t err = cudaMemsetAsync(row_amax, 0, cast_workspace_bytes(a), stream);
       if (err != cudaSuccess) return err;
     }
-    amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a.rows, a.cols, vec_in, a.amax, row_amax, col_amax);
+    if (a.scaling == Scaling::kTensor && aligned(x, 16)) {
+      const int64_t n = a.rows * a.cols, per_cta = int64_t(kThreads) * kAmaxUnroll * (16 / int64_t(sizeof(T)));
+      const int64_t ctas = std::min<int64_t>((n + per_cta - 1) / per_cta, int64_t(cuda::num_sms()) * 8);
+      tensor_amax_kernel<T><<<unsigned(ctas), kThreads, 0, stream>>>(x, n, a.amax);
+    } else {
+      amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a.rows, a.cols, vec_in, a.amax, row_amax, col_amax);
+    }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     p.row_amax = row_amax;
