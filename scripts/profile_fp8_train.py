@@ -51,6 +51,25 @@ for recipe in recipes:
             t[0] += ev.device_time_total
             t[1] += 1
     total = sum(v[0] for v in totals.values()) / STEPS
-    print(f"\n## {recipe}  M={m} K={k} N={n}: {total:.0f} us of kernels per step")
+    # The same step replayed as a CUDA graph (as the benchmark times it):
+    # what the kernels' sum leaves out (gaps, clocks) shows as the difference.
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_us = start.elapsed_time(end) * 1e3 / 20
+    print(f"\n## {recipe}  M={m} K={k} N={n}: {total:.0f} us of kernels per step, "
+          f"{replay_us:.0f} us per CUDA-graph replay")
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
         print(f"  {us / STEPS:9.1f} us  x{count // STEPS:<2d} {name}")

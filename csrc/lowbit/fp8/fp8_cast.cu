@@ -248,26 +248,25 @@ struct CastParams {
   float* amax;
 };
 
-// A scale and what dividing by it needs.
+// A scale and its reciprocal.
 struct Divisor {
   float s = 1.f, r = 1.f;
-  bool fast = true;
   Divisor() = default;
-  __device__ explicit Divisor(float scale) : s(scale), r(nvfp4::reciprocal_rn(scale)), fast(fast_division_ok(scale)) {}
-  template <Format F>
-  __device__ __forceinline__ uint32_t encode(float x) const {
-    return float_to_fp8(fast ? div_by_scale(x, s, r) : div_rn(x, s), F);
-  }
-  // Codes of a and b in the low and high byte. `pairs`: neither quotient can
-  // be NaN (the fast division, no NaN among the values), so one conversion
-  // instruction takes both; otherwise the element rule maps NaN to 0x7f.
-  template <Format F>
-  __device__ __forceinline__ uint32_t encode2(float a, float b, bool pairs) const {
-    if (!pairs) return encode<F>(a) | encode<F>(b) << 8;
-    const float2 q = make_float2(div_by_scale(a, s, r), div_by_scale(b, s, r));
+  __device__ explicit Divisor(float scale) : s(scale), r(nvfp4::reciprocal_rn(scale)) {}
+};
+
+// Codes of a and b in the low and high byte. kFast: the scale takes the
+// reciprocal division (fast_division_ok) and no quotient can be NaN, so one
+// conversion instruction takes both; otherwise the element rule (IEEE
+// division, NaN to 0x7f).
+template <Format F, bool kFast>
+__device__ __forceinline__ uint32_t encode2(float a, float b, const Divisor& d) {
+  if (kFast) {
+    const float2 q = make_float2(div_by_scale(a, d.s, d.r), div_by_scale(b, d.s, d.r));
     return __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, F == Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
   }
-};
+  return uint32_t(encode(a, d.s, F)) | uint32_t(encode(b, d.s, F)) << 8;
+}
 
 // Byte e of rows r[0..3] (each 4 codes of consecutive columns) gathered into
 // word e: a 4 x 4 byte transpose.
@@ -278,6 +277,55 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&r)[4], uint32_t* w
   w[1] = __byte_perm(a01, a23, 0x7632);
   w[2] = __byte_perm(b01, b23, 0x5410);
   w[3] = __byte_perm(b01, b23, 0x7632);
+}
+
+// The codes of this thread's elements: each row's 8 go out at once; the
+// transposed copy's are gathered into words (4 rows of one column): a byte
+// transpose of the row codes where data and data_t share the scale, else
+// codes of their own.
+template <typename T, Format F, bool kFast>
+__device__ __forceinline__ void encode_tile(const TileValues<T>& v, const float (&rs)[kPasses][kGroupRows],
+                                            const float (&cs)[kVec], const Tile& t, const CastParams& p,
+                                            uint32_t (&words)[kPasses][kVec]) {
+  const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
+  const int64_t j0 = t.col0 + t.col(0);
+  Divisor dc[kVec];
+  if (p.transpose && !same_scale)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) dc[e] = Divisor(cs[e]);
+#pragma unroll
+  for (int a = 0; a < kPasses; ++a) {
+    uint32_t lo[kGroupRows], hi[kGroupRows];  // codes of columns 0-3 and 4-7, per row
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q) {
+      const Divisor d(rs[a][q]);
+      auto f = [&](int e) { return to_float(v[a][q][e]); };
+      lo[q] = encode2<F, kFast>(f(0), f(1), d) | encode2<F, kFast>(f(2), f(3), d) << 16;
+      hi[q] = encode2<F, kFast>(f(4), f(5), d) | encode2<F, kFast>(f(6), f(7), d) << 16;
+      const int64_t i = t.row0 + t.row(a, q);
+      if (i < p.rows) {
+        uint8_t* out = p.data + i * p.cols + j0;
+        if (p.vec_out && j0 + kVec <= p.cols) {
+          *reinterpret_cast<uint2*>(out) = make_uint2(lo[q], hi[q]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (j0 + e < p.cols) out[e] = static_cast<uint8_t>((e < 4 ? lo[q] : hi[q]) >> (8 * (e % 4)));
+        }
+      }
+    }
+    if (!p.transpose) continue;
+    if (same_scale) {
+      transpose4x4(lo, words[a]);
+      transpose4x4(hi, words[a] + 4);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        auto f = [&](int q) { return to_float(v[a][q][e]); };
+        words[a][e] = encode2<F, kFast>(f(0), f(1), dc[e]) | encode2<F, kFast>(f(2), f(3), dc[e]) << 16;
+      }
+    }
+  }
 }
 
 template <typename T, Format F>
@@ -372,50 +420,23 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
     }
   }
 
-  // Codes: each row's 8 go out at once; the transposed copy's are gathered
-  // into words (4 rows of one column): a byte transpose of the row codes
-  // where data and data_t share the scale, else their own codes.
-  const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
-  const int64_t j0 = t.col0 + t.col(0);
-  Divisor dc[kVec];
-  if (p.transpose && !same_scale)
+  // One branch per thread between the two forms of the encoding loop (a
+  // branch per element would replicate both in the unrolled code): the
+  // reciprocal division with paired conversions, or the element rule for
+  // extreme scales and NaN. A NaN element makes its group's computed scale
+  // NaN, which fails fast_division_ok; only a given scale needs `clean`.
+  bool fast = clean;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) dc[e] = Divisor(cs[e]);
+  for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+    for (int q = 0; q < kGroupRows; ++q) fast = fast && fast_division_ok(rs[a][q]);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) fast = fast && (!p.transpose || fast_division_ok(cs[e]));
   uint32_t words[kPasses][kVec];
-#pragma unroll
-  for (int a = 0; a < kPasses; ++a) {
-    uint32_t lo[kGroupRows], hi[kGroupRows];  // codes of columns 0-3 and 4-7, per row
-#pragma unroll
-    for (int q = 0; q < kGroupRows; ++q) {
-      const Divisor d(rs[a][q]);
-      const bool pairs = clean && d.fast;
-      auto f = [&](int e) { return to_float(v[a][q][e]); };
-      lo[q] = d.encode2<F>(f(0), f(1), pairs) | d.encode2<F>(f(2), f(3), pairs) << 16;
-      hi[q] = d.encode2<F>(f(4), f(5), pairs) | d.encode2<F>(f(6), f(7), pairs) << 16;
-      const int64_t i = t.row0 + t.row(a, q);
-      if (i < p.rows) {
-        uint8_t* out = p.data + i * p.cols + j0;
-        if (p.vec_out && j0 + kVec <= p.cols) {
-          *reinterpret_cast<uint2*>(out) = make_uint2(lo[q], hi[q]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e)
-            if (j0 + e < p.cols) out[e] = static_cast<uint8_t>((e < 4 ? lo[q] : hi[q]) >> (8 * (e % 4)));
-        }
-      }
-    }
-    if (!p.transpose) continue;
-    if (same_scale) {
-      transpose4x4(lo, words[a]);
-      transpose4x4(hi, words[a] + 4);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const bool pairs = clean && dc[e].fast;
-        auto f = [&](int q) { return to_float(v[a][q][e]); };
-        words[a][e] = dc[e].encode2<F>(f(0), f(1), pairs) | dc[e].encode2<F>(f(2), f(3), pairs) << 16;
-      }
-    }
+  if (fast) {
+    encode_tile<T, F, true>(v, rs, cs, t, p, words);
+  } else {
+    encode_tile<T, F, false>(v, rs, cs, t, p, words);
   }
   if (!p.transpose) return;
 
