@@ -37,8 +37,8 @@ import lowbit
 
 RUNS = ("bf16", "tensorwise", "delayed", "rowwise", "blockwise")
 SIZES = {
-    # About 100M parameters and 16k tokens a step: minutes per 1000 steps on one H100.
-    "full": dict(d=1024, layers=8, heads=8, ffn=4096, seq=512, batch=32, lr=6e-4, warmup=100, max_files=None),
+    # About 43M parameters and 8k tokens a step: about a minute per 1000 steps on one H100.
+    "full": dict(d=768, layers=6, heads=12, ffn=3072, seq=512, batch=16, lr=6e-4, warmup=100, max_files=None),
     "tiny": dict(d=128, layers=2, heads=2, ffn=512, seq=64, batch=8, lr=3e-3, warmup=2, max_files=150),
 }
 VAL_EVERY_NTH_FILE = 20

@@ -13,15 +13,19 @@ FLOPs, so the win grows with the smallest of M, N and K. The rule:
   GEMMs). Each of the three is the reduction dimension of one GEMM; other
   shapes run the op's fallback, a dequantize and an FP32 matmul
   (docs/fp8.md, "What runs where"), which cannot win;
-- min(K, N) >= FP8_MIN_FEATURES;
-- when the caller gives the tokens per step (``tokens_hint``, M), also
-  M >= FP8_MIN_TOKENS.
+- min(K, N) >= FP8_MIN_FEATURES, checked when converting;
+- M >= FP8_MIN_TOKENS[recipe], checked on every call: a converted layer
+  runs calls with fewer tokens as a plain BF16 ``F.linear``
+  (``Fp8Linear(min_tokens=...)``), and a ``tokens_hint`` below it keeps the
+  layer unconverted.
 
-UNFINISHED: both thresholds are conservative placeholders, not yet
-measured. They are to be set from the crossover that
-``python -m lowbit.bench fp8_train`` measures on an H100 (the smallest
-shapes at which every recipe beats BF16), and docs/fp8-training.md will
-then quote that table.
+The thresholds come from ``python -m lowbit.bench fp8_train`` on an H100
+(docs/fp8-training.md quotes the table): on (2048, 4096, 4096) no recipe
+reaches BF16 (tensorwise 0.97x, delayed 0.95x, rowwise 0.80x, blockwise
+0.83x), while tensorwise and delayed win from 4096 tokens on the bench's
+other shapes; rowwise and blockwise are held to 8192 tokens. 4096 features
+is the smallest the bench measured a win on, so smaller layers stay in
+BF16.
 """
 
 from __future__ import annotations
@@ -36,10 +40,9 @@ from torch import nn
 
 from ._progress import progress_bar
 
-# To be measured (see the module docstring): placeholders until the
-# fp8_train benchmark has run on an H100.
-FP8_MIN_FEATURES = 2048
-FP8_MIN_TOKENS = 2048
+# Measured crossovers (module docstring).
+FP8_MIN_FEATURES = 4096
+FP8_MIN_TOKENS = {"tensorwise": 4096, "delayed": 4096, "rowwise": 8192, "blockwise": 8192}
 # The sizes the op's tensor-core GEMMs take (module docstring), by recipe.
 FP8_ALIGNMENT = 16
 BLOCKWISE_ALIGNMENT = 128
@@ -65,16 +68,17 @@ def fp8_skip_reason(in_features: int, out_features: int, tokens_hint: int | None
         return f"tokens_hint {tokens_hint} not a multiple of {align}"
     if min(in_features, out_features) < FP8_MIN_FEATURES:
         return f"min(in, out) = {min(in_features, out_features)} < {FP8_MIN_FEATURES}"
-    if tokens_hint is not None and tokens_hint < FP8_MIN_TOKENS:
-        return f"tokens_hint {tokens_hint} < {FP8_MIN_TOKENS}"
+    min_tokens = FP8_MIN_TOKENS[_recipe_name(recipe)]
+    if tokens_hint is not None and tokens_hint < min_tokens:
+        return f"tokens_hint {tokens_hint} < {min_tokens}"
     return None
 
 
 def fp8_wins(in_features: int, out_features: int, tokens_hint: int | None = None, recipe="tensorwise") -> bool:
     """Whether an FP8 Linear of this shape under ``recipe`` is expected to
     be faster than BF16 for a training step of ``tokens_hint`` tokens
-    (unknown: None), forward and backward together. The thresholds are
-    placeholders, not yet measured (module docstring)."""
+    (unknown: None), forward and backward together (the measured
+    thresholds of the module docstring)."""
     return fp8_skip_reason(in_features, out_features, tokens_hint, recipe) is None
 
 
@@ -174,9 +178,10 @@ def convert_to_fp8_training(
     (always, without a filter) and the ``policy`` allows it:
     ``"auto"`` converts only the shapes on which FP8 is expected to beat
     BF16 (:func:`fp8_wins`, with ``tokens_hint`` the tokens per step when
-    known; the thresholds are placeholders, not yet measured); ``"all"``
-    converts every layer (features not multiples of 16 run the op's slow
-    fallback).
+    known) and gives each converted layer ``min_tokens``, the recipe's
+    measured crossover: calls with fewer tokens run in BF16; ``"all"``
+    converts every layer and runs every call in FP8 (features not
+    multiples of 16 run the op's slow fallback).
 
     A module registered under several names is converted once and the
     replacement put under every name; ``filter_fn`` must give one answer
@@ -195,7 +200,8 @@ def convert_to_fp8_training(
     plan = fp8_training_plan(model, filter_fn, policy, tokens_hint, recipe)
     todo = [c for c in plan if c.converted]
     for i, choice in enumerate(todo):
-        layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe, cache_weight=cache_weight)
+        layer = Fp8Linear.from_linear(model.get_submodule(choice.names[0]), recipe=recipe, cache_weight=cache_weight,
+                                      min_tokens=FP8_MIN_TOKENS[recipe.name] if policy == "auto" else 0)
         for name in choice.names:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)

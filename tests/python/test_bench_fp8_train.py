@@ -26,7 +26,7 @@ def test_floor_adds_gemms_and_bytes():
 def test_rows_from_fake_timings():
     shape = fp8_train.SHAPES[0]
     t = {"bf16": 10e-3, "lowbit:tensorwise": 6e-3, "lowbit:delayed": 6.5e-3, "lowbit:rowwise": 7e-3,
-         "torchao:tensorwise": 7e-3, "torchao:rowwise": 6.9e-3, "torchao:rowwise_with_gw_hp": 8e-3}
+         "lowbit:auto": 10.4e-3, "torchao:tensorwise": 7e-3, "torchao:rowwise": 6.9e-3, "torchao:rowwise_with_gw_hp": 8e-3}
     notes = {"lowbit:blockwise": "NotImplementedError: blockwise needs K % 128 == 0"}
     rows = {r["provider"]: r for r in fp8_train.make_rows(HW, shape, t, notes)}
     assert list(rows) == fp8_train.provider_names()
@@ -41,6 +41,7 @@ def test_rows_from_fake_timings():
     assert rows["lowbit:rowwise"]["bar"] == "MISS: not faster than torchao:rowwise"
     assert rows["lowbit:blockwise"]["us"] == "n/a" and rows["lowbit:blockwise"]["bar"] == "n/a"
     assert rows["lowbit:blockwise"]["note"].startswith("NotImplementedError")
+    assert rows["lowbit:auto"]["bar"] == "MISS: x_bf16 < 0.97" and "peer" not in rows["lowbit:auto"]  # 0.96x
     assert "peer" not in rows["bf16"] and rows["bf16"]["x_bf16"] == pytest.approx(1.0)
     assert "bar" not in rows["torchao:rowwise"]
     table = format_table(list(rows.values()), fp8_train.COLUMNS)
@@ -49,11 +50,12 @@ def test_rows_from_fake_timings():
 
 def test_rows_without_torchao_and_off_bar_shapes():
     reason = "torchao not importable (ModuleNotFoundError: No module named 'torchao')"
-    t = {"bf16": 1e-3, "lowbit:tensorwise": 1e-3, "lowbit:blockwise": 0.9e-3}
+    t = {"bf16": 1e-3, "lowbit:tensorwise": 1e-3, "lowbit:blockwise": 0.9e-3, "lowbit:auto": 1.02e-3}
     notes = {f"torchao:{r}": reason for r in fp8_train.TORCHAO_RECIPES}
     rows = {r["provider"]: r for r in fp8_train.make_rows(HW, (2048, 4096, 4096), t, notes)}
     # Off the bar shapes only torchao's peer counts, which is missing here.
     assert rows["lowbit:tensorwise"]["bar"] == "ok (peer n/a)" and rows["lowbit:tensorwise"]["x_peer"] == "n/a"
+    assert rows["lowbit:auto"]["bar"] == "ok"  # 0.98x
     blockwise = rows["lowbit:blockwise"]
     assert blockwise["peer"] == blockwise["x_peer"] == "-" and blockwise["bar"] == "ok"
     for r in fp8_train.TORCHAO_RECIPES:

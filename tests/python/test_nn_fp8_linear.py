@@ -59,8 +59,9 @@ def warm_delayed(layer, x, calls=2):
 def test_policy_rule():
     big = FP8_MIN_FEATURES
     assert lowbit.fp8_wins(big, 2 * big)
-    assert lowbit.fp8_wins(big, big, tokens_hint=FP8_MIN_TOKENS)
-    assert not lowbit.fp8_wins(big, big, tokens_hint=FP8_MIN_TOKENS - 1)
+    for recipe, tokens in FP8_MIN_TOKENS.items():
+        assert lowbit.fp8_wins(big, big, tokens_hint=tokens, recipe=recipe)
+        assert not lowbit.fp8_wins(big, big, tokens_hint=tokens - 128, recipe=recipe)
     assert not lowbit.fp8_wins(big - 16, 4 * big)
     assert not lowbit.fp8_wins(4 * big, big - 16)
     assert not lowbit.fp8_wins(big + 8, big)  # not a multiple of 16
@@ -69,12 +70,12 @@ def test_policy_rule():
     assert "tokens_hint 16 < " in fp8_skip_reason(big, big, tokens_hint=16)
     # Every GEMM's reduction dimension (K, N, M) on the tensor-core path: 16,
     # or 128 for blockwise.
-    assert "tokens_hint 4104 not a multiple of 16" in fp8_skip_reason(big, big, tokens_hint=4104)
-    assert lowbit.fp8_wins(big + 16, big, tokens_hint=4112)
+    assert "tokens_hint 8200 not a multiple of 16" in fp8_skip_reason(big, big, tokens_hint=8200)
+    assert lowbit.fp8_wins(big + 16, big, tokens_hint=8208)
     assert not lowbit.fp8_wins(big + 16, big, recipe="blockwise")
     assert "not multiples of 128" in fp8_skip_reason(big, big + 64, recipe=Fp8Recipe(name="blockwise"))
-    assert "tokens_hint 4112 not a multiple of 128" in fp8_skip_reason(big, big, 4112, recipe="blockwise")
-    assert lowbit.fp8_wins(big, big + 128, tokens_hint=4096, recipe="blockwise")
+    assert "tokens_hint 8208 not a multiple of 128" in fp8_skip_reason(big, big, 8208, recipe="blockwise")
+    assert lowbit.fp8_wins(big, big + 128, tokens_hint=8192, recipe="blockwise")
 
 
 class Tiny(torch.nn.Module):
@@ -475,3 +476,24 @@ def test_cuda_graph_of_a_training_step(recipe):
             assert rel_err(gx, want_x) <= E4M3_TOL and rel_err(gw, want_w) <= E4M3_TOL
         else:
             assert torch.equal(gx, want_x) and torch.equal(gw, want_w)
+
+
+def test_min_tokens_runs_small_calls_in_high_precision():
+    gen = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(64, 32)
+    layer = Fp8Linear.from_linear(lin, min_tokens=8)
+    assert "min_tokens=8" in repr(layer)
+    small = torch.randn(2, 3, 64, generator=gen)  # 6 tokens: F.linear
+    assert torch.equal(layer(small), torch.nn.functional.linear(small, lin.weight, lin.bias))
+    big = torch.randn(2, 4, 64, generator=gen)  # 8 tokens: FP8, as a layer without the threshold
+    got = layer(big)
+    assert torch.equal(got, Fp8Linear.from_linear(lin)(big))
+    assert not torch.equal(got, torch.nn.functional.linear(big, lin.weight, lin.bias))  # FP8's rounding shows
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=f"argument 'min_tokens' must be an int >= 0, got {bad!r}"):
+            Fp8Linear(4, 4, min_tokens=bad)
+    # The default policy gives converted layers the recipe's crossover; "all" none.
+    for policy, recipe, want in (("auto", "rowwise", FP8_MIN_TOKENS["rowwise"]), ("all", "tensorwise", 0)):
+        model = torch.nn.Sequential(torch.nn.Linear(FP8_MIN_FEATURES, FP8_MIN_FEATURES, device="meta"))
+        lowbit.convert_to_fp8_training(model, recipe=recipe, policy=policy, progress=False)
+        assert isinstance(model[0], Fp8Linear) and model[0].min_tokens == want

@@ -7,6 +7,10 @@ torch.compile(fullgraph=True) and timed the same way (CUDA graphs of the
 whole step, cold L2 via rotating input sets, samples taken in turns:
 harness.time_calls_in_turns).
 
+"lowbit:auto" is what lowbit.convert_to_fp8_training gives with its
+default policy and recipe (tensorwise, FP8 from its measured token
+crossover on, BF16 below): its bar is >= 0.97x BF16 on every shape.
+
 torchao is optional: without it (or with an import error) its rows read
 "n/a" and the note says why. The reference version is 0.18.0.
 
@@ -46,6 +50,7 @@ PEER = {"tensorwise": "tensorwise", "delayed": "tensorwise", "rowwise": "rowwise
 # than the peer recipe on every shape.
 BAR_SHAPES = SHAPES[:2]
 BAR_X_BF16 = {"tensorwise": 1.60, "delayed": 1.65, "rowwise": 1.40, "blockwise": 1.40}
+AUTO_BAR_X_BF16 = 0.97  # the default policy, on every shape
 
 COLUMNS = ["M", "K", "N", "provider", "us", "TFLOP/s", "x_bf16", "peer", "x_peer", "%floor", "bar", "note"]
 
@@ -58,7 +63,7 @@ def floor_s(hw: Hardware, m: int, k: int, n: int) -> float:
 
 
 def provider_names() -> list[str]:
-    return ["bf16"] + [f"lowbit:{r}" for r in RECIPES] + [f"torchao:{r}" for r in TORCHAO_RECIPES]
+    return ["bf16"] + [f"lowbit:{r}" for r in RECIPES] + ["lowbit:auto"] + [f"torchao:{r}" for r in TORCHAO_RECIPES]
 
 
 def bar(shape: tuple[int, int, int], recipe: str, x_bf16: float, x_peer: float | None) -> str:
@@ -96,7 +101,10 @@ def make_rows(hw: Hardware, shape: tuple[int, int, int], times: dict[str, float 
             continue
         row.update({"us": t * 1e6, "TFLOP/s": flops / t / 1e12, "%floor": 100 * floor / t})
         row["x_bf16"] = bf16 / t if bf16 is not None else "n/a"
-        if name.startswith("lowbit:"):
+        if name == "lowbit:auto":
+            row["bar"] = "n/a" if bf16 is None else \
+                "ok" if row["x_bf16"] >= AUTO_BAR_X_BF16 else f"MISS: x_bf16 < {AUTO_BAR_X_BF16:.2f}"
+        elif name.startswith("lowbit:"):
             recipe = name.split(":", 1)[1]
             peer = PEER[recipe]
             t_peer = times.get(f"torchao:{peer}") if peer else None
@@ -122,11 +130,16 @@ def torchao_float8():
 
 
 def _layer_builders(ao) -> dict:
+    from lowbit import convert_to_fp8_training
     from lowbit.nn import Fp8Linear
+
+    def auto(lin):  # the layer (converted or kept) that the default policy leaves
+        return convert_to_fp8_training(nn.Sequential(lin), progress=False)[0]
 
     builders = {"bf16": lambda lin: lin}
     for r in RECIPES:
         builders[f"lowbit:{r}"] = lambda lin, r=r: Fp8Linear.from_linear(lin, recipe=r)
+    builders["lowbit:auto"] = auto
     if not isinstance(ao, str):
         convert, config, _ = ao
         for r in TORCHAO_RECIPES:

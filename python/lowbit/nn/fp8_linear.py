@@ -161,7 +161,13 @@ class Fp8Linear(nn.Linear):
     same name that :func:`lowbit.fp8_weight_cache` sets on every layer of a
     model). ``fp8_output``: return a :class:`lowbit.fp8.Fp8Activation` (FP8
     data and scales) for the next ``Fp8Linear`` instead of y; without grad
-    only (docs/fp8-training.md)."""
+    only (docs/fp8-training.md). ``min_tokens``: calls with fewer tokens
+    (rows of x) run ``F.linear`` in x's dtype instead, where FP8's casts
+    would cost more than its GEMMs save (``convert_to_fp8_training``'s
+    default policy sets the measured crossover; 0, the default here: every
+    call in FP8; ignored with ``fp8_output``). Under ``torch.compile`` the
+    choice is a guard on the token count, so a dynamic-shape graph is
+    compiled at most once more when the count crosses it."""
 
     def __init__(
         self,
@@ -172,14 +178,18 @@ class Fp8Linear(nn.Linear):
         recipe="tensorwise",
         cache_weight: bool = False,
         fp8_output: bool = False,
+        min_tokens: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         recipe = resolve_recipe(recipe)  # before any allocation: a bad recipe costs nothing
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ValueError(f"Fp8Linear: argument 'min_tokens' must be an int >= 0, got {min_tokens!r}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.recipe = recipe
         self.cache_weight = bool(cache_weight)
         self.fp8_output = bool(fp8_output)
+        self.min_tokens = min_tokens
         # None: cast W on every call; True: refresh the cache; False: reuse it.
         self.is_first_microbatch: bool | None = None
         self._fallback_warned: set[str] = set()
@@ -202,7 +212,7 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="tensorwise", *, cache_weight: bool = False,
-                    fp8_output: bool = False) -> "Fp8Linear":
+                    fp8_output: bool = False, min_tokens: int = 0) -> "Fp8Linear":
         """An ``Fp8Linear`` sharing ``linear``'s parameters (the same
         ``Parameter`` objects: an optimizer built over ``linear`` trains it,
         and nothing is copied). ``linear`` must compute ``x W^T + b``: an
@@ -215,7 +225,8 @@ class Fp8Linear(nn.Linear):
         # Built on the meta device (no allocation, no initialisation), then
         # given the originals' parameters.
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
-                  cache_weight=cache_weight, fp8_output=fp8_output, device="meta", dtype=linear.weight.dtype)
+                  cache_weight=cache_weight, fp8_output=fp8_output, min_tokens=min_tokens, device="meta",
+                  dtype=linear.weight.dtype)
         mod.weight = linear.weight
         mod.bias = linear.bias
         mod._register_state(linear.weight.device)
@@ -240,8 +251,11 @@ class Fp8Linear(nn.Linear):
                 raise ValueError(f"Fp8Linear: is_first_microbatch={is_first_microbatch} needs the weight cache; "
                                  f"build the layer with cache_weight=True")
             cache = self.weight_cache()
-            if is_first_microbatch:
+            if is_first_microbatch:  # also before a high-precision call: later microbatches may use it
                 fp8.fp8_cache_weight(self.weight, cache, recipe=self.recipe, state=self.fp8_state)
+        if self.min_tokens and not self.fp8_output and not isinstance(x, fp8.Fp8Activation) \
+                and x.shape[:-1].numel() < self.min_tokens:
+            return F.linear(x, self.weight, self.bias)
         return fp8.fp8_linear(x, self.weight, self.bias, recipe=self.recipe, state=self.fp8_state,
                               weight_cache=cache, fp8_output=self.fp8_output)
 
@@ -260,5 +274,7 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         extra = "".join(f", {k}=True" for k in ("cache_weight", "fp8_output") if getattr(self, k))
+        if self.min_tokens:
+            extra += f", min_tokens={self.min_tokens}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={recipe_repr(self.recipe)}{extra}")
