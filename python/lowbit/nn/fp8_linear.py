@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..fp8_parallel import check_parallel, group_name, parallel_input, parallel_output, shard_of
+
 _OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_BUFFERS = ("fp8_weight", "fp8_weight_scale", "fp8_weight_t", "fp8_weight_t_scale")
 
@@ -87,7 +89,7 @@ _FALLBACK_KINDS = {
 
 
 def _make_fallback(kind: str):
-    def fallback(layer: "Fp8Linear", x: Tensor, reason: str) -> Tensor:
+    def fallback(layer: "Fp8Linear", x: Tensor, reason: str, bias: Tensor | None) -> Tensor:
         if reason not in layer._fallback_warned:
             layer._fallback_warned.add(reason)
             warnings.warn(f"lowbit.nn.Fp8Linear({layer.in_features} -> {layer.out_features}) runs eagerly in high "
@@ -95,7 +97,7 @@ def _make_fallback(kind: str):
         # As nn.Linear, in the promoted dtype, the result in x's dtype (the
         # layer's contract).
         dt = torch.promote_types(x.dtype, layer.weight.dtype)
-        b = None if layer.bias is None else layer.bias.to(dt)
+        b = None if bias is None else bias.to(dt)
         return F.linear(x.to(dt), layer.weight.to(dt), b).to(x.dtype)
 
     fallback.__name__ = f"fp8_linear_eager_fallback_{kind}"
@@ -167,7 +169,15 @@ class Fp8Linear(nn.Linear):
     default policy sets the measured crossover; 0, the default here: every
     call in FP8; ignored with ``fp8_output``). Under ``torch.compile`` the
     choice is a guard on the token count, so a dynamic-shape graph is
-    compiled at most once more when the count crosses it."""
+    compiled at most once more when the count crosses it.
+
+    Tensor parallelism: ``parallel="column"`` or ``"row"`` with
+    ``process_group`` (and ``sequence_parallel``) splits the layer over the
+    group's ranks (layouts and collectives: :mod:`lowbit.fp8_parallel`).
+    ``in_features`` / ``out_features`` given here are the whole layer's;
+    the attributes of the same name, like ``weight``, are this rank's
+    shard. :meth:`from_linear` takes a whole ``nn.Linear`` and keeps this
+    rank's part (a copy, not the original parameters)."""
 
     def __init__(
         self,
@@ -179,13 +189,27 @@ class Fp8Linear(nn.Linear):
         cache_weight: bool = False,
         fp8_output: bool = False,
         min_tokens: int = 0,
+        parallel: str | None = None,
+        process_group=None,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         recipe = resolve_recipe(recipe)  # before any allocation: a bad recipe costs nothing
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise ValueError(f"Fp8Linear: argument 'min_tokens' must be an int >= 0, got {min_tokens!r}")
+        tp = check_parallel(parallel, process_group, bool(sequence_parallel), in_features, out_features)
+        if parallel is not None and fp8_output:
+            raise ValueError("Fp8Linear: fp8_output=True is not available with parallel= (not done yet)")
+        if parallel == "column":
+            out_features //= tp
+        elif parallel == "row":
+            in_features //= tp
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.parallel = parallel
+        self.process_group = process_group
+        self.sequence_parallel = bool(sequence_parallel)
+        self.tp_size = tp
         self.recipe = recipe
         self.cache_weight = bool(cache_weight)
         self.fp8_output = bool(fp8_output)
@@ -212,7 +236,8 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="tensorwise", *, cache_weight: bool = False,
-                    fp8_output: bool = False, min_tokens: int = 0) -> "Fp8Linear":
+                    fp8_output: bool = False, min_tokens: int = 0, parallel: str | None = None,
+                    process_group=None, sequence_parallel: bool = False) -> "Fp8Linear":
         """An ``Fp8Linear`` sharing ``linear``'s parameters (the same
         ``Parameter`` objects: an optimizer built over ``linear`` trains it,
         and nothing is copied). ``linear`` must compute ``x W^T + b``: an
@@ -225,10 +250,19 @@ class Fp8Linear(nn.Linear):
         # Built on the meta device (no allocation, no initialisation), then
         # given the originals' parameters.
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
-                  cache_weight=cache_weight, fp8_output=fp8_output, min_tokens=min_tokens, device="meta",
+                  cache_weight=cache_weight, fp8_output=fp8_output, min_tokens=min_tokens, parallel=parallel,
+                  process_group=process_group, sequence_parallel=sequence_parallel, device="meta",
                   dtype=linear.weight.dtype)
-        mod.weight = linear.weight
-        mod.bias = linear.bias
+        if parallel is None:
+            mod.weight = linear.weight
+            mod.bias = linear.bias
+        else:  # this rank's shard, a parameter of its own
+            with torch.no_grad():
+                mod.weight = nn.Parameter(shard_of(linear.weight, parallel, process_group).clone(),
+                                          linear.weight.requires_grad)
+                if linear.bias is not None:
+                    mod.bias = nn.Parameter(shard_of(linear.bias, parallel, process_group, dim_of_bias=True).clone(),
+                                            linear.bias.requires_grad)
         mod._register_state(linear.weight.device)
         mod.train(linear.training)
         return mod
@@ -238,13 +272,25 @@ class Fp8Linear(nn.Linear):
         (default: the attribute): None casts W here; True casts W into the
         cache (once per optimizer step) and uses it; False uses the cache as
         the last True call left it (the weight must not have changed since)."""
+        if self.parallel is None:
+            return self._local(x, self.bias, is_first_microbatch)
+        if isinstance(x, _fp8_api().Fp8Activation):
+            raise ValueError("Fp8Linear: an FP8 input (Fp8Activation) is not available with parallel= (not done yet)")
+        group = group_name(self.process_group)
+        x = parallel_input(x, self.parallel, group, self.sequence_parallel)
+        column = self.parallel == "column"
+        y = self._local(x, self.bias if column else None, is_first_microbatch)
+        return parallel_output(y, None if column else self.bias, self.parallel, group, self.sequence_parallel)
+
+    def _local(self, x, bias, is_first_microbatch):
+        """This rank's y = x W^T (+ bias): the whole layer without ``parallel``."""
         fp8 = _fp8_api()
         if is_first_microbatch is None:
             is_first_microbatch = self.is_first_microbatch
         if not isinstance(x, fp8.Fp8Activation):
             why = fallback_reason(self, x)
             if why is not None:
-                return _FALLBACKS[why[0]](self, x, why[1])
+                return _FALLBACKS[why[0]](self, x, why[1], bias)
         cache = None
         if is_first_microbatch is not None:
             if not self.cache_weight:
@@ -255,8 +301,8 @@ class Fp8Linear(nn.Linear):
                 fp8.fp8_cache_weight(self.weight, cache, recipe=self.recipe, state=self.fp8_state)
         if self.min_tokens and not self.fp8_output and not isinstance(x, fp8.Fp8Activation) \
                 and x.shape[:-1].numel() < self.min_tokens:
-            return F.linear(x, self.weight, self.bias)
-        return fp8.fp8_linear(x, self.weight, self.bias, recipe=self.recipe, state=self.fp8_state,
+            return F.linear(x, self.weight, bias)
+        return fp8.fp8_linear(x, self.weight, bias, recipe=self.recipe, state=self.fp8_state,
                               weight_cache=cache, fp8_output=self.fp8_output)
 
     def _apply(self, fn, recurse=True):
@@ -276,5 +322,8 @@ class Fp8Linear(nn.Linear):
         extra = "".join(f", {k}=True" for k in ("cache_weight", "fp8_output") if getattr(self, k))
         if self.min_tokens:
             extra += f", min_tokens={self.min_tokens}"
+        if self.parallel is not None:
+            extra += f", parallel={self.parallel}, tp={self.tp_size}" + (", sequence_parallel=True"
+                                                                         if self.sequence_parallel else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={recipe_repr(self.recipe)}{extra}")

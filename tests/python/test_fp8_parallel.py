@@ -1,0 +1,168 @@
+"""Tensor- and sequence-parallel Fp8Linear (lowbit.fp8_parallel) on the CPU:
+two processes over gloo run a column-parallel then a row-parallel layer
+(an MLP's up and down projections), eagerly and compiled, and the results
+are compared with the same layers in one process.
+
+The two runs cannot agree bit for bit: each rank scales its own shard of
+W and of the hidden activation (a tensor or row scale over the shard, not
+over the whole), so the FP8 codes differ from the single-process ones. The
+bound: the parallel run's error against float64 arithmetic on the original
+(unquantized) tensors is within 1.5x the single-process FP8 error. A
+missing or doubled collective is an error of the size of the result."""
+
+import copy
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import lowbit  # noqa: F401  (loads the ops in the parent, so a broken build fails here)
+from lowbit.nn import Fp8Linear
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with gloo")
+
+WORLD = 2
+RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
+M, K, H = 256, 256, 512  # tokens, model width, hidden width (shards: multiples of 128)
+
+
+def _worker(rank, world, init_file, out_dir, cases):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {case: _mlp(rank, world, *case) for case in cases}
+        results["errors"] = _argument_errors()
+        torch.save(results, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(cases):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases), nprocs=WORLD)
+        return [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
+
+
+def _layers(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    up, down = nn.Linear(K, H), nn.Linear(H, K)
+    with torch.no_grad():
+        for p in (*up.parameters(), *down.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    x = torch.randn(M, K, generator=gen)
+    dy = torch.randn(M, K, generator=gen)
+    return up, down, x, dy
+
+
+def _mlp(rank, world, recipe, sequence_parallel, compiled):
+    """This rank's y, dx, dW and db of down(up(x)) split over the group."""
+    up, down, x, dy = _layers()
+    pg = dist.group.WORLD
+    t_up = Fp8Linear.from_linear(up, recipe, parallel="column", process_group=pg, sequence_parallel=sequence_parallel)
+    t_down = Fp8Linear.from_linear(down, recipe, parallel="row", process_group=pg,
+                                   sequence_parallel=sequence_parallel)
+
+    def model(t):
+        return t_down(t_up(t))
+
+    if compiled:
+        model = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x_in = (x.chunk(world)[rank] if sequence_parallel else x).clone().requires_grad_()
+    y = model(x_in)
+    y.backward(dy.chunk(world)[rank] if sequence_parallel else dy)
+    return {"y": y.detach(), "dx": x_in.grad, "up.weight": t_up.weight.grad, "up.bias": t_up.bias.grad,
+            "down.weight": t_down.weight.grad, "down.bias": t_down.bias.grad, "repr": repr(t_up)}
+
+
+def _argument_errors():
+    pg = dist.group.WORLD
+    msgs = []
+    for kwargs in (dict(in_features=K, out_features=H + 1, parallel="column", process_group=pg),
+                   dict(in_features=K + 1, out_features=H, parallel="row", process_group=pg),
+                   dict(in_features=K, out_features=H, parallel="diagonal", process_group=pg),
+                   dict(in_features=K, out_features=H, parallel="row", process_group=None),
+                   dict(in_features=K, out_features=H, sequence_parallel=True)):
+        try:
+            Fp8Linear(**kwargs)
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def _single_process(recipe):
+    """The same layers in one process: FP8 results and float64 ones."""
+    up, down, x, dy = _layers()
+    out = {}
+    for name, make in (("fp8", lambda lin: Fp8Linear.from_linear(copy.deepcopy(lin), recipe)),
+                       ("exact", lambda lin: copy.deepcopy(lin).double())):
+        a, b = make(up), make(down)
+        xi = (x.double() if name == "exact" else x).clone().requires_grad_()
+        y = b(a(xi))
+        y.backward(dy.double() if name == "exact" else dy)
+        out[name] = {"y": y.detach(), "dx": xi.grad, "up.weight": a.weight.grad, "up.bias": a.bias.grad,
+                     "down.weight": b.weight.grad, "down.bias": b.bias.grad}
+    return out
+
+
+def _whole(results, key, sequence_parallel):
+    """The whole tensor from the ranks' parts (module layouts)."""
+    parts = [r[key] for r in results]
+    if key in ("y", "dx"):
+        return torch.cat(parts) if sequence_parallel else parts[0]
+    if key == "up.weight" or key == "up.bias":
+        return torch.cat(parts, 0)
+    if key == "down.weight":
+        return torch.cat(parts, 1)
+    return parts[0]  # down.bias: whole on every rank
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _check(results, case):
+    recipe, sp, _ = case
+    per_rank = [r[case] for r in results]
+    ref = _single_process(recipe)
+    for key in ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias"):
+        got = _whole(per_rank, key, sp)
+        exact, single = ref["exact"][key], ref["fp8"][key]
+        assert got.shape == exact.shape, (case, key, got.shape, exact.shape)
+        bound = 1.5 * _rel(single, exact) + 1e-4
+        assert _rel(got, exact) <= bound, (case, key, _rel(got, exact), _rel(single, exact))
+    if not sp:  # replicated outputs: every rank holds the same
+        assert torch.equal(per_rank[0]["y"], per_rank[1]["y"]) and torch.equal(per_rank[0]["dx"], per_rank[1]["dx"])
+    # The row layer's bias is whole on every rank, with the same gradient.
+    assert torch.equal(per_rank[0]["down.bias"], per_rank[1]["down.bias"])
+
+
+@pytest.mark.slow
+def test_column_then_row_match_one_process_eager():
+    cases = [(r, sp, False) for r in RECIPES for sp in (False, True)]
+    results = spawn(cases)
+    for case in cases:
+        _check(results, case)
+    assert "parallel=column, tp=2" in results[0][cases[0]]["repr"]
+    assert "out_features=256" in results[0][cases[0]]["repr"]  # this rank's shard of 512
+
+
+@pytest.mark.slow
+def test_column_then_row_compile_fullgraph():
+    # fullgraph: a graph break (a collective Dynamo could not trace) raises.
+    cases = [("tensorwise", True, True), ("blockwise", False, True)]
+    results = spawn(cases)
+    for case in cases:
+        _check(results, case)
+
+
+def test_argument_errors_name_the_argument():
+    errors = spawn([])[0]["errors"]
+    assert "argument 'out_features' (513) must be divisible by the process group's size (2)" in errors[0]
+    assert "argument 'in_features' (257) must be divisible by the process group's size (2)" in errors[1]
+    assert "argument 'parallel' must be None, 'column' or 'row', got 'diagonal'" in errors[2]
+    assert "argument 'process_group' must be a torch.distributed.ProcessGroup" in errors[3]
+    assert "needs parallel='column' or 'row'" in errors[4]
