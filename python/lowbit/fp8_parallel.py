@@ -22,9 +22,19 @@ ranks in the group and M the tokens (x's leading dimensions flattened):
   gradient, summed over a rank's tokens, is all-reduced so every rank holds
   the whole sum.
 
-What is not here yet (issue 41): the FP8 all-gather of x (codes and scales
-instead of BF16), FSDP2 with FP8 weight all-gathers, distributed checkpoints
-of the FP8 state, and runs on several GPUs.
+FP8 all-gather (``fp8_all_gather``, tensorwise recipe): the
+column-parallel, sequence-parallel layer casts its shard of x with one scale
+for the whole x (the ranks' amaxes all-reduced by max, then the scale rule
+of fp8_cast) and all-gathers the FP8 codes, half the bytes of BF16; the
+backward transposes the gathered codes for the weight gradient. The codes
+equal those of casting the gathered BF16 x, so the results are bitwise the
+BF16 all-gather's. The other recipes gather BF16: rowwise's and blockwise's
+weight gradient scales x^T along the tokens, across the ranks' shards, and
+delayed's history is recorded inside the op from the x it casts.
+
+What is not here yet (issue 41): the FP8 all-gather for delayed scaling,
+FSDP2 with FP8 weight all-gathers, distributed checkpoints of the FP8
+state, and runs on several GPUs.
 """
 
 from __future__ import annotations
@@ -75,6 +85,16 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather(x: Tensor, group: str) -> Tensor:
+    """x's of every rank, concatenated along dimension 0 (the one all-gather
+    of the sequence-parallel inputs)."""
+    return _waited(_fc().all_gather_tensor(x.contiguous(), 0, group))
+
+
+def _reduce_scatter(x: Tensor, group: str) -> Tensor:
+    return _waited(_fc().reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
+
+
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dimension 0 forward; reduce-scatter (sum) along
     dimension 0 of the gradient."""
@@ -82,11 +102,11 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: str) -> Tensor:
         ctx.group = group
-        return _waited(_fc().all_gather_tensor(x.contiguous(), 0, group))
+        return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _waited(_fc().reduce_scatter_tensor(grad.contiguous(), "sum", 0, ctx.group)), None
+        return _reduce_scatter(grad, ctx.group), None
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -96,11 +116,11 @@ class _ScatterTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: str) -> Tensor:
         ctx.group = group
-        return _waited(_fc().reduce_scatter_tensor(x.contiguous(), "sum", 0, group))
+        return _reduce_scatter(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _waited(_fc().all_gather_tensor(grad.contiguous(), 0, ctx.group)), None
+        return _all_gather(grad, ctx.group), None
 
 
 def group_name(process_group) -> str:
@@ -160,3 +180,56 @@ def parallel_output(y: Tensor, bias: Tensor | None, parallel: str, group: str, s
         return y if bias is None else y + _CopyToParallel.apply(bias, group)
     y = _ReduceFromParallel.apply(y, group)
     return y if bias is None else y + bias  # dy is whole on every rank, and so is the bias gradient
+
+
+class _Fp8GatherLinear(torch.autograd.Function):
+    """The tensorwise column-parallel, sequence-parallel layer with its x
+    all-gathered in FP8 (module docstring): y [M, N / tp] from this rank's
+    x [M / tp, K]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, recipe_args, group, needs_dx, needs_dw):
+        ops = torch.ops.lowbit
+        pow2 = recipe_args[4]
+        # The whole x's amax, then its scale by fp8_cast's own rule (the cast
+        # of a one-element tensor holding it).
+        amax = x.abs().amax().float().reshape(1, 1) if x.numel() else x.new_zeros(1, 1, dtype=torch.float32)
+        amax = _waited(_fc().all_reduce(amax, "max", group))
+        scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, pow2)[1]
+        codes = ops.fp8_cast(x.contiguous(), "tensor", "e4m3", False, scale, pow2)[0]
+        # Gathered as bytes: collectives move them whatever the backend
+        # makes of FP8 dtypes.
+        gathered = _all_gather(codes.view(torch.uint8), group).view(torch.float8_e4m3fn)
+        y, _, _, w_t, w_t_scale, _ = ops.fp8_linear_forward(
+            gathered, weight, bias, state, *recipe_args, save_x_t=False, save_w_t=needs_dx, x_scale=scale,
+            out_dtype=x.dtype)
+        # Tensor scaling: x^T's codes are x's, transposed.
+        x_t = gathered.t().contiguous() if needs_dw else gathered.new_empty(0)
+        ctx.save_for_backward(x_t, scale, w_t, w_t_scale)
+        ctx.state, ctx.recipe_args, ctx.group = state, recipe_args, group
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_t, scale, w_t, w_t_scale = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, dw, db = torch.ops.lowbit.fp8_linear_backward(
+            dy.contiguous(), x_t, scale, w_t, w_t_scale, ctx.state, *ctx.recipe_args,
+            weight_dtype=ctx.weight_dtype, bias_dtype=ctx.bias_dtype if needs[2] else None,
+            compute_dx=needs[0], compute_dw=needs[1])
+        dx = _reduce_scatter(dx, ctx.group) if needs[0] else None
+        return (dx, dw if needs[1] else None, db if needs[2] else None) + (None,) * 5
+
+
+def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str) -> Tensor:
+    """y = all_gather(x) W^T + b with x all-gathered in FP8 (tensorwise
+    recipe; module docstring). x [..., K]: this rank's tokens."""
+    from .fp8 import _recipe_args
+
+    x2 = x.reshape(-1, x.shape[-1])
+    grad = torch.is_grad_enabled()
+    y = _Fp8GatherLinear.apply(x2, weight, bias, state, _recipe_args(recipe), group,
+                               grad and x.requires_grad, grad and weight.requires_grad)
+    return y.reshape(-1, *x.shape[1:-1], weight.shape[0])

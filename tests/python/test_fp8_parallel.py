@@ -30,23 +30,28 @@ RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
 M, K, H = 256, 256, 512  # tokens, model width, hidden width (shards: multiples of 128)
 
 
-def _worker(rank, world, init_file, out_dir, cases):
+def _worker(rank, world, init_file, out_dir, cases, extras):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
-        results["errors"] = _argument_errors()
+        if "errors" in extras:
+            results["errors"] = _argument_errors()
+        if "gather" in extras:
+            results["gather"] = _fp8_gather(rank, world)
         torch.save(results, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def spawn(cases):
+def spawn(cases, extras=()):
+    """Runs the MLP cases (and the extras: "errors", "gather") on WORLD
+    processes; returns each rank's results."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases), nprocs=WORLD)
+        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras), nprocs=WORLD)
         return [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
 
 
-def _layers(seed=0):
+def _layers(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     up, down = nn.Linear(K, H), nn.Linear(H, K)
     with torch.no_grad():
@@ -54,14 +59,15 @@ def _layers(seed=0):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     x = torch.randn(M, K, generator=gen)
     dy = torch.randn(M, K, generator=gen)
-    return up, down, x, dy
+    return up.to(dtype), down.to(dtype), x.to(dtype), dy.to(dtype)
 
 
-def _mlp(rank, world, recipe, sequence_parallel, compiled):
+def _mlp(rank, world, recipe, sequence_parallel, compiled, fp8_all_gather=True, dtype=torch.float32):
     """This rank's y, dx, dW and db of down(up(x)) split over the group."""
-    up, down, x, dy = _layers()
+    up, down, x, dy = _layers(dtype)
     pg = dist.group.WORLD
-    t_up = Fp8Linear.from_linear(up, recipe, parallel="column", process_group=pg, sequence_parallel=sequence_parallel)
+    t_up = Fp8Linear.from_linear(up, recipe, parallel="column", process_group=pg, sequence_parallel=sequence_parallel,
+                                 fp8_all_gather=fp8_all_gather)
     t_down = Fp8Linear.from_linear(down, recipe, parallel="row", process_group=pg,
                                    sequence_parallel=sequence_parallel)
 
@@ -75,6 +81,34 @@ def _mlp(rank, world, recipe, sequence_parallel, compiled):
     y.backward(dy.chunk(world)[rank] if sequence_parallel else dy)
     return {"y": y.detach(), "dx": x_in.grad, "up.weight": t_up.weight.grad, "up.bias": t_up.bias.grad,
             "down.weight": t_down.weight.grad, "down.bias": t_down.bias.grad, "repr": repr(t_up)}
+
+
+def _fp8_gather(rank, world):
+    """The tensorwise sequence-parallel MLP with x all-gathered in FP8 and in
+    BF16 (bf16 inputs), eagerly and compiled, and the bytes each all-gather
+    moved."""
+    import lowbit.fp8_parallel as par
+
+    gathers = []
+    original = par._all_gather
+
+    def spy(t, group):
+        gathers.append((str(t.dtype), t.numel() * t.element_size()))
+        return original(t, group)
+
+    out = {}
+    for fp8 in (True, False):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            gathers.clear()
+            par._all_gather = original if compiled else spy  # a side effect Dynamo would refuse
+            try:
+                out[fp8, compiled] = _mlp(rank, world, "tensorwise", True, compiled, fp8_all_gather=fp8,
+                                          dtype=torch.bfloat16)
+            finally:
+                par._all_gather = original
+            out[fp8, compiled]["gathers"] = list(gathers)
+    return out
 
 
 def _argument_errors():
@@ -160,9 +194,26 @@ def test_column_then_row_compile_fullgraph():
 
 
 def test_argument_errors_name_the_argument():
-    errors = spawn([])[0]["errors"]
+    errors = spawn([], ("errors",))[0]["errors"]
     assert "argument 'out_features' (513) must be divisible by the process group's size (2)" in errors[0]
     assert "argument 'in_features' (257) must be divisible by the process group's size (2)" in errors[1]
     assert "argument 'parallel' must be None, 'column' or 'row', got 'diagonal'" in errors[2]
     assert "argument 'process_group' must be a torch.distributed.ProcessGroup" in errors[3]
     assert "needs parallel='column' or 'row'" in errors[4]
+
+
+@pytest.mark.slow
+def test_fp8_all_gather_moves_half_the_bytes_and_matches_bf16_bitwise():
+    # Tensorwise: the gathered codes are those the BF16 all-gather's cast
+    # would make, so every result is bitwise the same; the forward's x
+    # all-gather moves 1 byte per element instead of 2 (the row layer's
+    # backward all-gathers dy in BF16 either way).
+    results = [r["gather"] for r in spawn([], ("gather",))]
+    for compiled in (False, True):
+        for rank in range(WORLD):
+            fp8, bf16 = results[rank][True, compiled], results[rank][False, compiled]
+            for key in ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias"):
+                assert torch.equal(fp8[key], bf16[key]), (compiled, rank, key)
+            if not compiled:  # the bytes as the eager run's collectives saw them
+                x_fp8, x_bf16 = fp8["gathers"][0], bf16["gathers"][0]
+                assert x_fp8 == ("torch.uint8", M // WORLD * K) and x_bf16 == ("torch.bfloat16", 2 * M // WORLD * K)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..fp8_parallel import check_parallel, group_name, parallel_input, parallel_output, shard_of
+from ..fp8_parallel import check_parallel, fp8_gather_linear, group_name, parallel_input, parallel_output, shard_of
 
 _OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_BUFFERS = ("fp8_weight", "fp8_weight_scale", "fp8_weight_t", "fp8_weight_t_scale")
@@ -177,7 +177,10 @@ class Fp8Linear(nn.Linear):
     ``in_features`` / ``out_features`` given here are the whole layer's;
     the attributes of the same name, like ``weight``, are this rank's
     shard. :meth:`from_linear` takes a whole ``nn.Linear`` and keeps this
-    rank's part (a copy, not the original parameters)."""
+    rank's part (a copy, not the original parameters). ``fp8_all_gather``
+    (default on): a column-parallel, sequence-parallel layer under the
+    tensorwise recipe all-gathers x in FP8, half the bytes, with results
+    bitwise those of the BF16 all-gather (other recipes gather BF16)."""
 
     def __init__(
         self,
@@ -192,6 +195,7 @@ class Fp8Linear(nn.Linear):
         parallel: str | None = None,
         process_group=None,
         sequence_parallel: bool = False,
+        fp8_all_gather: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -209,6 +213,7 @@ class Fp8Linear(nn.Linear):
         self.parallel = parallel
         self.process_group = process_group
         self.sequence_parallel = bool(sequence_parallel)
+        self.fp8_all_gather = bool(fp8_all_gather)
         self.tp_size = tp
         self.recipe = recipe
         self.cache_weight = bool(cache_weight)
@@ -237,7 +242,8 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="tensorwise", *, cache_weight: bool = False,
                     fp8_output: bool = False, min_tokens: int = 0, parallel: str | None = None,
-                    process_group=None, sequence_parallel: bool = False) -> "Fp8Linear":
+                    process_group=None, sequence_parallel: bool = False,
+                    fp8_all_gather: bool = True) -> "Fp8Linear":
         """An ``Fp8Linear`` sharing ``linear``'s parameters (the same
         ``Parameter`` objects: an optimizer built over ``linear`` trains it,
         and nothing is copied). ``linear`` must compute ``x W^T + b``: an
@@ -251,7 +257,8 @@ class Fp8Linear(nn.Linear):
         # given the originals' parameters.
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
                   cache_weight=cache_weight, fp8_output=fp8_output, min_tokens=min_tokens, parallel=parallel,
-                  process_group=process_group, sequence_parallel=sequence_parallel, device="meta",
+                  process_group=process_group, sequence_parallel=sequence_parallel,
+                  fp8_all_gather=fp8_all_gather, device="meta",
                   dtype=linear.weight.dtype)
         if parallel is None:
             mod.weight = linear.weight
@@ -277,10 +284,25 @@ class Fp8Linear(nn.Linear):
         if isinstance(x, _fp8_api().Fp8Activation):
             raise ValueError("Fp8Linear: an FP8 input (Fp8Activation) is not available with parallel= (not done yet)")
         group = group_name(self.process_group)
+        if self._gathers_fp8(x, is_first_microbatch):
+            return fp8_gather_linear(x, self.weight, self.bias, self.recipe, self.fp8_state, group)
         x = parallel_input(x, self.parallel, group, self.sequence_parallel)
         column = self.parallel == "column"
         y = self._local(x, self.bias if column else None, is_first_microbatch)
         return parallel_output(y, None if column else self.bias, self.parallel, group, self.sequence_parallel)
+
+    def _gathers_fp8(self, x, is_first_microbatch) -> bool:
+        """Whether this call all-gathers x in FP8 (see fp8_all_gather): the
+        tensorwise column-parallel, sequence-parallel layer casting W on
+        this call, in FP8 (no fallback, enough tokens)."""
+        if not (self.fp8_all_gather and self.parallel == "column" and self.sequence_parallel
+                and self.recipe.name == "tensorwise"):
+            return False
+        if is_first_microbatch is None:
+            is_first_microbatch = self.is_first_microbatch
+        if is_first_microbatch is not None or fallback_reason(self, x) is not None:
+            return False
+        return not self.min_tokens or x.shape[:-1].numel() * self.tp_size >= self.min_tokens
 
     def _local(self, x, bias, is_first_microbatch):
         """This rank's y = x W^T (+ bias): the whole layer without ``parallel``."""
@@ -325,5 +347,7 @@ class Fp8Linear(nn.Linear):
         if self.parallel is not None:
             extra += f", parallel={self.parallel}, tp={self.tp_size}" + (", sequence_parallel=True"
                                                                          if self.sequence_parallel else "")
+            if not self.fp8_all_gather:
+                extra += ", fp8_all_gather=False"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={recipe_repr(self.recipe)}{extra}")
