@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     suite = importlib.import_module(f"lowbit.bench.{args.suite}")
     rows, columns = suite.run(hw, args.quick)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (fp8_parallel) one rank reports
+        return 0
     print(format_table(rows, columns))
     if args.json:
         write_json(args.json, args.suite, hw, rows)
