@@ -261,22 +261,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_t, x_t_scale, w_t, w_t_scale = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dx, dw, db = torch.ops.lowbit.fp8_linear_backward(
-            dy.contiguous(),
-            x_t,
-            x_t_scale,
-            w_t,
-            w_t_scale,
-            ctx.state,
-            *ctx.recipe_args,
-            weight_dtype=ctx.weight_dtype,
-            bias_dtype=ctx.bias_dtype if needs[2] else None,
-            compute_dx=needs[0],
-            compute_dw=needs[1],
-        )
-        return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * 8
+        return _linear_backward(ctx, dy, *ctx.saved_tensors) + (None,) * 8
+
+
+def _linear_backward(ctx, dy, x_t, x_t_scale, w_t, w_t_scale) -> tuple:
+    """(dx, dW, db) of a Linear autograd Function whose inputs start with
+    (x, weight, bias): the backward op on the FP8 copies its forward saved,
+    None where no gradient is needed. ``ctx`` carries state, recipe_args,
+    weight_dtype and bias_dtype."""
+    needs = ctx.needs_input_grad
+    dx, dw, db = torch.ops.lowbit.fp8_linear_backward(
+        dy.contiguous(), x_t, x_t_scale, w_t, w_t_scale, ctx.state, *ctx.recipe_args,
+        weight_dtype=ctx.weight_dtype, bias_dtype=ctx.bias_dtype if needs[2] else None,
+        compute_dx=needs[0], compute_dw=needs[1])
+    return dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None
 
 
 def _needs_grad(*tensors) -> bool:

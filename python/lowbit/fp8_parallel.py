@@ -213,14 +213,11 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_t, scale, w_t, w_t_scale = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        dx, dw, db = torch.ops.lowbit.fp8_linear_backward(
-            dy.contiguous(), x_t, scale, w_t, w_t_scale, ctx.state, *ctx.recipe_args,
-            weight_dtype=ctx.weight_dtype, bias_dtype=ctx.bias_dtype if needs[2] else None,
-            compute_dx=needs[0], compute_dw=needs[1])
-        dx = _reduce_scatter(dx, ctx.group) if needs[0] else None
-        return (dx, dw if needs[1] else None, db if needs[2] else None) + (None,) * 5
+        from .fp8 import _linear_backward
+
+        dx, dw, db = _linear_backward(ctx, dy, *ctx.saved_tensors)
+        dx = None if dx is None else _reduce_scatter(dx, ctx.group)  # the gathered x's gradient, back to shards
+        return (dx, dw, db) + (None,) * 5
 
 
 def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str) -> Tensor:
