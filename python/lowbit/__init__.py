@@ -17,7 +17,15 @@ from .linear import (  # noqa: E402
 )
 from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
 from .quantize import quantize_  # noqa: E402
-from .fp8_training import convert_to_fp8_training, fp8_microbatch, fp8_training_plan, fp8_wins  # noqa: E402
+from .fp8_training import (  # noqa: E402
+    convert_to_fp8_training,
+    fp8_microbatch,
+    fp8_state_dict,
+    fp8_sync_amax,
+    fp8_training_plan,
+    fp8_wins,
+    load_fp8_state_dict,
+)
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
 from .fp8 import Fp8Activation, Fp8Recipe, fp8_cast, fp8_gemm, fp8_linear, fp8_state  # noqa: E402
 
@@ -37,11 +45,14 @@ __all__ = [
     "fp8_linear",
     "fp8_microbatch",
     "fp8_state",
+    "fp8_state_dict",
+    "fp8_sync_amax",
     "fp8_training_plan",
     "fp8_wins",
     "hash_router",
     "has_cuda_kernels",
     "load_checkpoint_",
+    "load_fp8_state_dict",
     "load_pretrained",
     "nvfp4_dequantize",
     "nvfp4_grouped_linear",

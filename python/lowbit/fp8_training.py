@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ._progress import progress_bar
@@ -246,3 +247,67 @@ def fp8_microbatch(model: nn.Module, is_first_microbatch: bool):
     finally:
         for m, b in zip(layers, before):
             m.is_first_microbatch = b
+
+
+def fp8_state_dict(model: nn.Module) -> dict:
+    """The FP8 state of every :class:`lowbit.nn.Fp8Linear` in ``model`` that
+    has one (the delayed recipe's amax histories), by the layer's qualified
+    name plus ``".fp8_state"``: the buffers themselves, not copies.
+
+    The layers keep these buffers out of ``state_dict()`` (their keys stay
+    ``nn.Linear``'s); save them beside it. With
+    ``torch.distributed.checkpoint``, which loads in place, one dict serves
+    both ways::
+
+        state = {"model": model.state_dict(), "fp8": lowbit.fp8_state_dict(model)}
+        dcp.save(state, checkpoint_id=path)
+        ...
+        state = {"model": model.state_dict(), "fp8": lowbit.fp8_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)  # fills the histories in place
+        model.load_state_dict(state["model"])
+
+    (:func:`load_fp8_state_dict` takes a plain dict, e.g. from ``torch.load``.)"""
+    from .nn.fp8_linear import Fp8Linear
+
+    return {f"{name}.fp8_state" if name else "fp8_state": m.fp8_state for name, m in model.named_modules()
+            if isinstance(m, Fp8Linear) and m.fp8_state.numel()}
+
+
+def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
+    """Copies ``state`` (as :func:`fp8_state_dict` gives it) into ``model``'s
+    FP8 state buffers. ValueError, before anything is copied, when the keys
+    differ from the model's or a shape does not match."""
+    mine = fp8_state_dict(model)
+    missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    if missing or unexpected:
+        raise ValueError(f"lowbit.load_fp8_state_dict: keys differ from the model's FP8 state: missing {missing}, "
+                         f"unexpected {unexpected}")
+    for key, buf in mine.items():
+        if tuple(state[key].shape) != tuple(buf.shape):
+            raise ValueError(f"lowbit.load_fp8_state_dict: {key!r} must have shape {list(buf.shape)} (the layer's "
+                             f"amax history), got {list(state[key].shape)}")
+    with torch.no_grad():
+        for key, buf in mine.items():
+            buf.copy_(state[key])
+
+
+def fp8_sync_amax(model: nn.Module, process_group=None) -> None:
+    """Makes the delayed recipe's amax histories the same on every rank of
+    ``process_group`` (default: all ranks) by an all-reduce (max) of all of
+    them at once. Under data parallelism (FSDP2, DDP) each rank records the
+    amaxes of its own batch, so the histories, and with them the next
+    step's scales, drift apart; call this after each optimizer step (before
+    the next forward) to keep one scale per tensor across the ranks, as
+    TransformerEngine's amax reduction does, and before saving a checkpoint
+    (a replicated buffer is saved from one rank). No-op without delayed
+    layers."""
+    import torch.distributed as dist
+
+    state = list(fp8_state_dict(model).values())
+    if not state:
+        return
+    with torch.no_grad():
+        flat = torch.cat([s.reshape(-1) for s in state])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)
+        for s, part in zip(state, flat.split([s.numel() for s in state])):
+            s.copy_(part.view_as(s))

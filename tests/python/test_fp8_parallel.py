@@ -30,7 +30,7 @@ RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
 M, K, H = 256, 256, 512  # tokens, model width, hidden width (shards: multiples of 128)
 
 
-def _worker(rank, world, init_file, out_dir, cases, extras):
+def _worker(rank, world, init_file, out_dir, cases, extras):  # noqa: C901  (one branch per extra)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
@@ -40,6 +40,8 @@ def _worker(rank, world, init_file, out_dir, cases, extras):
             results["gather"] = _fp8_gather(rank, world)
         if "fsdp" in extras:
             results["fsdp"] = {r: _fsdp_steps(rank, world, r) for r in RECIPES}
+        if "dcp" in extras:
+            results["dcp"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint")
         torch.save(results, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -116,6 +118,51 @@ def _fp8_gather(rank, world):
 def _fsdp_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(K, H), nn.GELU(), nn.Linear(H, K))
+
+
+def _sharded(recipe, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _fsdp_model()
+    lowbit.convert_to_fp8_training(model, recipe=recipe, policy="all", progress=False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, rank, world, steps, seed):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(M, K, generator=gen)
+        model(x.chunk(world)[rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        lowbit.fp8_sync_amax(model)  # one history on every rank
+
+
+def _dcp_round_trip(rank, world, path):
+    """Delayed scaling under FSDP2: two steps, a torch.distributed.checkpoint
+    save of the model and its amax histories, a fresh model loaded from it,
+    then one more step on both."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _sharded("delayed", world)
+    _train(model, rank, world, 2, seed=1)
+    dcp.save({"model": model.state_dict(), "fp8": lowbit.fp8_state_dict(model)}, checkpoint_id=path)
+    fresh = _sharded("delayed", world)
+    state = {"model": fresh.state_dict(), "fp8": lowbit.fp8_state_dict(fresh)}
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state["model"])
+    # The saved histories are every rank's (fp8_sync_amax), so one copy serves all.
+    out = {"saved": {k: v.clone() for k, v in lowbit.fp8_state_dict(model).items()},
+           "loaded": {k: v.clone() for k, v in lowbit.fp8_state_dict(fresh).items()}}
+    for name, m in (("model", model), ("fresh", fresh)):
+        _train(m, rank, world, 1, seed=2)
+        out[name] = {"weight": m[0].weight.full_tensor().detach(), "fp8": dict(lowbit.fp8_state_dict(m))}
+    return out
 
 
 def _fsdp_steps(rank, world, recipe, steps=3):
@@ -282,3 +329,41 @@ def test_fsdp2_training_matches_one_process():
         assert not torch.equal(got["weight"], start)  # it trained
         bound = 1.5 * _rel(single, exact) + 1e-5
         assert _rel(got["weight"], single) <= bound, (recipe, _rel(got["weight"], single), _rel(single, exact))
+
+
+@pytest.mark.slow
+def test_dcp_saves_and_loads_the_delayed_histories_under_fsdp2():
+    results = [r["dcp"] for r in spawn([], ("dcp",))]
+    for key in results[0]["saved"]:  # the ranks' histories agree
+        assert torch.equal(results[0]["saved"][key], results[1]["saved"][key])
+    for r in results:
+        assert set(r["saved"]) == {"0.fp8_state", "2.fp8_state"}
+        for key, saved in r["saved"].items():
+            assert saved.abs().sum() > 0  # two steps recorded amaxes
+            assert torch.equal(r["loaded"][key], saved)
+        # The step after the load is the step the saved model takes.
+        assert torch.equal(r["fresh"]["weight"], r["model"]["weight"])
+        for key in r["saved"]:
+            assert torch.equal(r["fresh"]["fp8"][key], r["model"]["fp8"][key])
+
+
+def test_fp8_state_dict_holds_the_buffers_and_loading_checks_keys_and_shapes():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 32))
+    lowbit.convert_to_fp8_training(model, recipe=lowbit.Fp8Recipe("delayed", amax_history_len=4), policy="all",
+                                   progress=False, filter_fn=lambda m, name: name != "3")
+    state = lowbit.fp8_state_dict(model)
+    assert list(state) == ["0.fp8_state", "2.fp8_state"]  # layer 3 kept as nn.Linear
+    assert state["0.fp8_state"] is model[0].fp8_state and "0.fp8_state" not in model.state_dict()
+    model(torch.randn(8, 32))
+    saved = {k: v.clone() for k, v in state.items()}
+    other = copy.deepcopy(model)
+    other[0].fp8_state.zero_()
+    lowbit.load_fp8_state_dict(other, saved)
+    assert torch.equal(other[0].fp8_state, saved["0.fp8_state"]) and saved["0.fp8_state"].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"keys differ from the model's FP8 state: missing \['2.fp8_state'\]"):
+        lowbit.load_fp8_state_dict(other, {"0.fp8_state": saved["0.fp8_state"]})
+    with pytest.raises(ValueError, match=r"'0.fp8_state' must have shape \[3, 4\] .*, got \[3, 5\]"):
+        lowbit.load_fp8_state_dict(other, dict(saved, **{"0.fp8_state": torch.zeros(3, 5)}))
+    tensorwise = nn.Sequential(nn.Linear(32, 32))
+    lowbit.convert_to_fp8_training(tensorwise, policy="all", progress=False)
+    assert lowbit.fp8_state_dict(tensorwise) == {}  # stateless recipes have nothing to save
