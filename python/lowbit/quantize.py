@@ -115,3 +115,44 @@ def quantize_(
         if progress:
             progress_bar("lowbit.quantize_", i + 1, len(targets), names[0])
     return model
+
+
+def nvfp4_round_trip_(model: nn.Module, moe: bool = True) -> nn.Module:
+    """Replaces, in place, every weight that :func:`quantize_` (with the same
+    ``moe``) would convert by its NVFP4 round trip (quantized by the same
+    rule and grouping, then dequantized to the weight's dtype), leaving the
+    model's classes as they are: the high-precision model that computes
+    what the quantized one does, up to the kernels' rounding (the
+    reference of the transformers tests and of ``bench model``). MoE
+    blocks as :meth:`Nvfp4MoE.from_hf` quantizes them: one global scale per
+    expert, the shared expert's gate and up rows together. Returns model."""
+    import torch
+
+    from .format import nvfp4_dequantize, nvfp4_quantize
+    from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
+    from .nn.moe import Nvfp4MoE
+
+    def round_trip(w):
+        q = nvfp4_quantize(w)
+        return nvfp4_dequantize(q.packed, q.block_scale, q.global_scale, torch.float32).to(w.dtype)
+
+    in_blocks = set()
+    with torch.no_grad():
+        for mod in model.modules():
+            if moe and Nvfp4MoE.is_hf_block(mod) and Nvfp4MoE.hf_block_sizes_supported(mod):
+                experts, shared = mod.experts, mod.shared_experts
+                experts.gate_up_proj.copy_(round_trip(experts.gate_up_proj))
+                experts.down_proj.copy_(round_trip(experts.down_proj))
+                i = shared.gate_proj.out_features
+                gate_up = round_trip(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+                shared.gate_proj.weight.copy_(gate_up[:i])
+                shared.up_proj.weight.copy_(gate_up[i:])
+                shared.down_proj.weight.copy_(round_trip(shared.down_proj.weight))
+                in_blocks.update(id(m) for m in mod.modules())
+        for mod in model.modules():
+            if id(mod) in in_blocks:
+                continue
+            grouped = Nvfp4GroupedLinear.is_hf_grouped(mod) and Nvfp4GroupedLinear.hf_grouped_supported(mod)
+            if grouped or _swappable_linear(mod):
+                mod.weight.copy_(round_trip(mod.weight))
+    return model

@@ -17,6 +17,7 @@ import torch
 
 import lowbit
 from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+from lowbit.quantize import nvfp4_round_trip_
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,41 +35,10 @@ COUNTS = {
 }
 
 
-def fake_quantized(w: torch.Tensor) -> torch.Tensor:
-    q = lowbit.nvfp4_quantize(w)
-    return lowbit.nvfp4_dequantize(q.packed, q.block_scale, q.global_scale, torch.float32).to(w.dtype)
-
-
-def dequantize_block_(block: torch.nn.Module) -> None:
-    """A transformers MoE block's weights replaced, in place, by their NVFP4
-    round trip as Nvfp4MoE.from_hf quantizes them: one global scale per
-    expert, the shared expert's gate and up rows together."""
-    experts, shared = block.experts, block.shared_experts
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(fake_quantized(experts.gate_up_proj))
-        experts.down_proj.copy_(fake_quantized(experts.down_proj))
-        i = shared.gate_proj.out_features
-        gate_up = fake_quantized(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-        shared.gate_proj.weight.copy_(gate_up[:i])
-        shared.up_proj.weight.copy_(gate_up[i:])
-        shared.down_proj.weight.copy_(fake_quantized(shared.down_proj.weight))
-
-
 def dequantized_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The model with every weight that quantize_ converts replaced by its
     NVFP4 round trip."""
-    ref = copy.deepcopy(model)
-    in_blocks = set()
-    for mod in ref.modules():
-        if Nvfp4MoE.is_hf_block(mod):
-            dequantize_block_(mod)
-            in_blocks.update(id(lin) for lin in mod.shared_experts.modules())
-    with torch.no_grad():
-        for mod in ref.modules():
-            grouped = Nvfp4GroupedLinear.is_hf_grouped(mod)
-            if (Nvfp4Linear.computes_like(mod) or grouped) and id(mod) not in in_blocks:
-                mod.weight.copy_(fake_quantized(mod.weight))
-    return ref
+    return nvfp4_round_trip_(copy.deepcopy(model))
 
 
 @pytest.mark.slow
@@ -200,8 +170,7 @@ def test_moe_block_computes_its_dequantized_block(family, device):
     assert len(blocks) == COUNTS[family][1]
     for block in blocks:
         moe = Nvfp4MoE.from_hf(block)
-        ref = copy.deepcopy(block).float()
-        dequantize_block_(ref)
+        ref = nvfp4_round_trip_(copy.deepcopy(block).float())
         token_ids = {"input_ids": ids} if family == "v4" else {}
         with torch.no_grad():
             got, want = moe(x, **token_ids), ref(x.float(), **token_ids)
@@ -216,9 +185,7 @@ def test_grouped_linear_computes_its_dequantized_blocks():
     assert Nvfp4GroupedLinear.is_hf_grouped(hf) and hf.n_groups == 2
     mod = Nvfp4GroupedLinear.from_hf(hf)
     assert "n_groups=2" in repr(mod)
-    ref = copy.deepcopy(hf).float()
-    with torch.no_grad():
-        ref.weight.copy_(fake_quantized(ref.weight))
+    ref = nvfp4_round_trip_(copy.deepcopy(hf).float())
     # 30 rows: one nvfp4_linear over all groups, diagonal blocks kept;
     # 600 rows: lowbit.nvfp4_grouped_linear (on the CPU its FP32 reference).
     assert mod.max_fused_rows < 600
