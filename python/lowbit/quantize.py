@@ -133,6 +133,11 @@ def nvfp4_round_trip_(model: nn.Module, moe: bool = True) -> nn.Module:
     from .nn.moe import Nvfp4MoE
 
     def round_trip(w):
+        if w.dim() == 3:  # experts [E, rows, cols]: one global scale each, one at a time (FP32 temporaries)
+            out = torch.empty_like(w)
+            for e in range(w.shape[0]):
+                out[e] = round_trip(w[e])
+            return out
         q = nvfp4_quantize(w)
         return nvfp4_dequantize(q.packed, q.block_scale, q.global_scale, torch.float32).to(w.dtype)
 
