@@ -43,7 +43,7 @@ from lowbit.bench.harness import Hardware
 FAMILIES = ("v3", "v4")
 BATCHES = (1, 8, 32, 64)
 PREFILLS = (2048, 8192)
-CONTEXT = 1024  # V3's static cache length for the decode steps
+CONTEXT = 512  # V3's static cache length for the decode steps (64 x 512 positions: 8 GB of cache over 3 layers)
 PROVIDERS = ("bf16", "lowbit:w4a16", "lowbit:auto")
 COLUMNS = ["model", "phase", "tokens", "provider", "us", "x_bf16", "floor_us", "%floor", "logits_rel", "bar",
            "note"]
