@@ -52,7 +52,7 @@ def test_bf16_run_trains_and_writes_its_outputs(example, tmp_path):
 
 
 @pytest.mark.slow  # 8-40 s each on two busy CPU cores
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "tensorwise-e5m2"])
 def test_fp8_run_trains_beside_bf16(example, tmp_path, recipe):
     results = run_tiny(example, tmp_path, ["bf16", recipe])
     check_trains(results[recipe])
@@ -60,3 +60,10 @@ def test_fp8_run_trains_beside_bf16(example, tmp_path, recipe):
     assert abs(results[recipe]["val"][6] / results["bf16"]["val"][6] - 1) < 0.05
     summary, _ = example.summarize(results)
     assert recipe in summary and "%" in summary
+
+
+def test_extra_runs_take_their_recipe(example):
+    recipe = example.EXTRA_RUNS["tensorwise-e5m2"]
+    assert recipe.name == "tensorwise" and recipe.grad_format == "e5m2"
+    with pytest.raises(SystemExit):
+        example.parse_args(["--runs", "bf16,tensorwise-e4m4"])
