@@ -124,6 +124,15 @@ void check_cast(const at::Tensor& input, Scaling scaling, const c10::optional<at
   }
 }
 
+CastRequest parse_cast(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype,
+                       const c10::optional<at::Tensor>& scale) {
+  const CastRequest r{parse_scaling(scaling, kCast, "scaling", true), parse_format(dtype, kCast, "dtype")};
+  check_cast(input, r.scaling, scale, kCast);
+  return r;
+}
+
+CastTuple as_tuple(const CastOut& o) { return {o.data, o.scale, o.data_t, o.scale_t, o.amax}; }
+
 CastOut empty_cast_outputs(const at::Tensor& input, Scaling scaling, Format format, bool transpose) {
   const c10::SymInt& m = input.sym_size(0);
   const c10::SymInt& k = input.sym_size(1);
@@ -190,6 +199,15 @@ void check_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor
   }
   TORCH_CHECK_TYPE(out_dtype == at::kBFloat16 || out_dtype == at::kHalf || out_dtype == at::kFloat, "lowbit.", op,
                    ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", out_dtype);
+}
+
+GemmRequest parse_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                       c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
+                       c10::optional<at::ScalarType> out_dtype) {
+  const GemmRequest r{parse_scaling(scaling_a, kGemm, "scaling_a", false),
+                      parse_scaling(scaling_b, kGemm, "scaling_b", true), out_dtype.value_or(at::kBFloat16)};
+  check_gemm(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype, GemmNames{kGemm, "a", "scale_a", "b", "scale_b"});
+  return r;
 }
 
 at::Tensor dequantize_fp32(const at::Tensor& data, const at::Tensor& scale, Scaling s) {
@@ -515,42 +533,28 @@ const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_reference, &scal
 
 CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
-  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
-  const Format f = parse_format(dtype, kCast, "dtype");
-  check_cast(input, s, scale, kCast);
-  CastOut o = cast_cpu_impl(input, s, f, transpose, scale, pow2_scales);
-  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+  const CastRequest r = parse_cast(input, scaling, dtype, scale);
+  return as_tuple(cast_cpu_impl(input, r.scaling, r.format, transpose, scale, pow2_scales));
 }
 
 CastTuple cast_meta(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                     const c10::optional<at::Tensor>& scale, bool pow2_scales) {
-  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
-  const Format f = parse_format(dtype, kCast, "dtype");
-  check_cast(input, s, scale, kCast);
-  CastOut o = empty_cast_outputs(input, s, f, transpose);
-  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+  const CastRequest r = parse_cast(input, scaling, dtype, scale);
+  return as_tuple(empty_cast_outputs(input, r.scaling, r.format, transpose));
 }
-
-constexpr GemmNames kGemmNames{kGemm, "a", "scale_a", "b", "scale_b"};
 
 at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
                      c10::optional<at::ScalarType> out_dtype) {
-  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
-  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
-  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
-  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, kGemmNames);
-  return at::empty_symint(c10::SymDimVector{a.sym_size(0), b.sym_size(0)}, a.options().dtype(od));
+  const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
+  return at::empty_symint(c10::SymDimVector{a.sym_size(0), b.sym_size(0)}, a.options().dtype(r.out_dtype));
 }
 
 at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                     c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
                     c10::optional<at::ScalarType> out_dtype) {
-  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
-  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
-  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
-  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, kGemmNames);
-  return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, od);
+  const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
+  return gemm_reference(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype);
 }
 
 LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

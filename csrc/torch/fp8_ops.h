@@ -44,6 +44,15 @@ c10::SymDimVector scale_shape(const c10::SymInt& rows, const c10::SymInt& cols, 
 // [0]-shaped when not asked for).
 void check_cast(const at::Tensor& input, Scaling scaling, const c10::optional<at::Tensor>& scale, const char* op);
 CastOut empty_cast_outputs(const at::Tensor& input, Scaling scaling, Format format, bool transpose);
+// The fp8_cast op's string arguments parsed and every argument checked: the
+// first step of its CPU, CUDA and Meta kernels.
+struct CastRequest {
+  Scaling scaling;
+  Format format;
+};
+CastRequest parse_cast(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype,
+                       const c10::optional<at::Tensor>& scale);
+CastTuple as_tuple(const CastOut& o);
 fp8::CastArgs cast_args(const at::Tensor& input, Scaling scaling, Format format, bool pow2,
                         const c10::optional<at::Tensor>& scale, CastOut& out);
 
@@ -61,6 +70,14 @@ struct GemmNames {
 void check_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                 Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                 const GemmNames& names);
+// The fp8_gemm op's arguments parsed and checked (every kernel's first step).
+struct GemmRequest {
+  Scaling sa, sb;
+  at::ScalarType out_dtype;
+};
+GemmRequest parse_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                       c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
+                       c10::optional<at::ScalarType> out_dtype);
 at::Tensor dequantize_fp32(const at::Tensor& data, const at::Tensor& scale, Scaling s);
 at::Tensor gemm_reference(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
                           const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,

@@ -123,23 +123,17 @@ const Backend kCudaBackend{&cast_cuda_impl, &cast_into_cuda, &gemm_cuda_impl, &s
 
 CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                     const c10::optional<at::Tensor>& scale, bool pow2_scales) {
-  const Scaling s = parse_scaling(scaling, kCast, "scaling", true);
-  const Format f = parse_format(dtype, kCast, "dtype");
-  check_cast(input, s, scale, kCast);
+  const CastRequest r = parse_cast(input, scaling, dtype, scale);
   check_supported_gpu(input, kCast);
-  CastOut o = cast_cuda_impl(input, s, f, transpose, scale, pow2_scales);
-  return {o.data, o.scale, o.data_t, o.scale_t, o.amax};
+  return as_tuple(cast_cuda_impl(input, r.scaling, r.format, transpose, scale, pow2_scales));
 }
 
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
                      c10::optional<at::ScalarType> out_dtype) {
-  const Scaling sa = parse_scaling(scaling_a, kGemm, "scaling_a", false);
-  const Scaling sb = parse_scaling(scaling_b, kGemm, "scaling_b", true);
-  const at::ScalarType od = out_dtype.value_or(at::kBFloat16);
-  check_gemm(a, scale_a, b, scale_b, sa, sb, bias, od, GemmNames{kGemm, "a", "scale_a", "b", "scale_b"});
+  const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
   check_supported_gpu(a, kGemm);
-  return gemm_cuda_impl(a, scale_a, b, scale_b, sa, sb, bias, od);
+  return gemm_cuda_impl(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype);
 }
 
 LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
