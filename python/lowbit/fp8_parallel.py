@@ -193,7 +193,11 @@ class _Fp8GatherLinear(torch.autograd.Function):
         pow2 = recipe_args[4]
         # The whole x's amax, then its scale by fp8_cast's own rule (the cast
         # of a one-element tensor holding it).
-        amax = x.abs().amax().float().reshape(1, 1) if x.numel() else x.new_zeros(1, 1, dtype=torch.float32)
+        if x.numel():  # max |x| from the extremes: one read of x, no |x| temporary (NaN propagates)
+            lo, hi = torch.aminmax(x)
+            amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
+        else:
+            amax = x.new_zeros(1, 1, dtype=torch.float32)
         amax = _waited(_fc().all_reduce(amax, "max", group))
         scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, pow2)[1]
         codes = ops.fp8_cast(x.contiguous(), "tensor", "e4m3", False, scale, pow2)[0]
