@@ -14,6 +14,7 @@
 #                                                   synccheck, initcheck) over scripts/sanitize_ops.py
 #   TOOLS="memcheck racecheck" SANITIZE_TIMEOUT=75  sanitize: which tools, seconds per process (default 75;
 #                                                   racecheck and initcheck: one process per op family)
+#   SANITIZE_FAMILIES="fp8 quant"                   sanitize: only these op families (one process each)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
 # With 8 workers the build and the whole suite take about 6 minutes on an
 # H100 machine (16 cores); tests.log ends with the slowest tests. The concurrency
@@ -34,6 +35,7 @@ TESTS=${TESTS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-75}
+SANITIZE_FAMILIES=${SANITIZE_FAMILIES:-}
 BUILD_DIR=${BUILD_DIR:-build}
 # Build with the system compiler, whose libstdc++ is the one loaded at run
 # time (see docs/ARCHITECTURE.md, "Toolchain"); LOWBIT_CXX overrides it.
@@ -159,8 +161,9 @@ if [[ $MODE == sanitize ]]; then
     families=(all)
     if [[ $tool == racecheck || $tool == initcheck ]]; then
       cases=(--skip cuBLAS --skip bmm --skip "FP8 mode")
-      families=(quant linear grouped routing moe)
+      families=(quant linear grouped routing moe fp8)
     fi
+    if [[ -n $SANITIZE_FAMILIES ]]; then read -ra families <<<"$SANITIZE_FAMILIES"; fi
     : >"$OUT/sanitize_$tool.log"
     rc=0
     for family in "${families[@]}"; do

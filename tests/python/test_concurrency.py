@@ -607,8 +607,84 @@ def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
                   f"{' limit' if limit else ''}", run, check, plan_string)
 
 
+# ---------------------------------------------------------------------- FP8 --
+
+FP8_TOL = 1e-2  # device vs CPU op on the same FP8 operands: accumulation order and bf16 rounding only
+
+
+def add_fp8_cases(b: Builder):
+    """The FP8 training family: the cast (every scaling, transposed copy,
+    both formats), the GEMM through cuBLASLt (every scaling pair) and one
+    Linear step (forward + backward op) per recipe. Casts are checked bit for
+    bit against the CPU op; GEMM and Linear outputs within FP8_TOL of it."""
+    from lowbit import Fp8Recipe
+
+    m, k = (200, 264) if b.small else (1536, 2304)
+    g = b.gen("fp8 cast")
+    x = b.randn(m, k, gen=g, dtype=torch.bfloat16, std=2.0)
+    x_cpu = x.cpu()
+    for scaling in ("tensor", "row", "block", "block2d"):
+        for fmt in ("e4m3", "e5m2") if scaling == "tensor" else ("e4m3",):
+            def check_cast(out, scaling=scaling, fmt=fmt):
+                want = lowbit.fp8_cast(x_cpu, scaling, fmt, transpose=True)
+                return None if same_bits([t.cpu() for t in out], list(want)) else "differs from the CPU op"
+
+            b.add("fp8_cast", f"fp8_cast {scaling} {fmt} + transpose {m}x{k}",
+                  lambda scaling=scaling, fmt=fmt: tuple(lowbit.fp8_cast(x, scaling, fmt, transpose=True)),
+                  check_cast)
+
+    gm, gn, gk = (128, 256, 512) if b.small else (1024, 2048, 1536)
+    g = b.gen("fp8 gemm")
+    a_hp = b.randn(gm, gk, gen=g, dtype=torch.bfloat16)
+    w_hp = b.randn(gn, gk, gen=g, dtype=torch.bfloat16, std=gk**-0.5)
+    for sa, sb in (("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d")):
+        qa, qb = lowbit.fp8_cast(a_hp, sa), lowbit.fp8_cast(w_hp, sb)
+        operands = (qa.data, qa.scale, qb.data, qb.scale, sa, sb)
+
+        def check_gemm(out, operands=operands):
+            want = lowbit.fp8_gemm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in operands])
+            err = rel_err(out[0], want)
+            return None if err < FP8_TOL else f"rel err {err:.2e} vs the CPU op"
+
+        b.add("fp8_gemm", f"fp8_gemm {sa} x {sb} (cuBLASLt) M={gm} N={gn} K={gk}",
+              lambda operands=operands: (lowbit.fp8_gemm(*operands),), check_gemm)
+
+    lm, ln, lk = (256, 384, 512) if b.small else (2048, 1536, 1024)
+    g = b.gen("fp8 linear")
+    lx = b.randn(lm, lk, gen=g, dtype=torch.bfloat16)
+    lw = b.randn(ln, lk, gen=g, std=lk**-0.5)
+    lb = b.randn(ln, gen=g, std=0.1)
+    ldy = b.randn(lm, ln, gen=g, dtype=torch.bfloat16, std=1e-2)
+    for recipe in (Fp8Recipe("tensorwise"), Fp8Recipe("delayed", amax_history_len=4),
+                   Fp8Recipe("rowwise", grad_format="e5m2"), Fp8Recipe("blockwise")):
+        history = lowbit.fp8_state(recipe, device=b.device)
+        if recipe.stateful:  # a history already in use, so the scales come from it
+            history.copy_(torch.rand(history.shape, generator=g, device=b.device) * 4)
+
+        def step(x, w, bias, dy, history, recipe=recipe):
+            # One training step of the layer; the (delayed) history restarts
+            # from the same values every time, so each run is the same step.
+            state = history.clone()
+            with torch.enable_grad():
+                x, w, bias = (t.clone().requires_grad_() for t in (x, w, bias))
+                y = lowbit.fp8_linear(x, w, bias, recipe=recipe, state=state)
+                y.backward(dy)
+            return y.detach(), x.grad, w.grad, bias.grad, state
+
+        def check_step(out, step=step, history=history):
+            want = step(*(t.cpu() for t in (lx, lw, lb, ldy, history)))
+            for name, got, w in zip(("y", "dx", "dW", "db"), out, want):
+                err = rel_err(got, w)
+                if not err < FP8_TOL:
+                    return f"{name}: rel err {err:.2e} vs the CPU op"
+            return None if same_bits([out[4].cpu()], [want[4]]) else "amax history differs from the CPU op"
+
+        b.add("fp8_linear", f"fp8_linear forward + backward (cuBLASLt GEMMs) {recipe.name} {recipe.grad_format} M={lm} N={ln} K={lk}",
+              lambda step=step, history=history: step(lx, lw, lb, ldy, history), check_step)
+
+
 FAMILIES = {"quant": add_quant_cases, "linear": add_linear_cases, "grouped": add_grouped_linear_cases,
-            "routing": add_routing_cases, "moe": add_moe_cases}
+            "routing": add_routing_cases, "moe": add_moe_cases, "fp8": add_fp8_cases}
 
 
 def build_cases(device: str, small: bool = False, families=None) -> list[Case]:
