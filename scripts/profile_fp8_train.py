@@ -1,6 +1,7 @@
 """Where the time of one FP8 training step goes (development tool): forward
 and backward of one Fp8Linear per recipe (nn.Linear for "bf16", torchao's
-float8 training for "torchao:<recipe>"), compiled (fullgraph), under
+float8 training for "torchao:<recipe>"; "<recipe>:exact" with the forward
+GEMM promoting to FP32, fast_accum=False), compiled (fullgraph), under
 torch.profiler; prints each kernel's time per step, largest first.
 
   python scripts/profile_fp8_train.py [M K N] [recipe ...]
@@ -29,6 +30,10 @@ for recipe in recipes:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         layer = convert_to_float8_training(base, config=Float8LinearConfig.from_recipe_name(recipe.split(":")[1]))
+    elif recipe.endswith(":exact"):
+        from lowbit import Fp8Recipe
+
+        layer = Fp8Linear.from_linear(base, recipe=Fp8Recipe(recipe.split(":")[0], fast_accum=False))
     else:
         layer = Fp8Linear.from_linear(base, recipe=recipe)
     compiled = torch.compile(layer, fullgraph=True)

@@ -438,7 +438,7 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
   const CastOut cw = w_cached ? given(*e.w_fp8, *e.w_fp8_scale)
                               : be.cast(weight.contiguous(), r.weight(), Format::kE4M3, save_w_t, sw, r.pow2);
   at::Tensor y = be.gemm(cx.data, cx.scale, cw.data, cw.scale, r.activation(), r.weight(), bias,
-                         forward_out_dtype(x, e));
+                         forward_out_dtype(x, e), e.fast_accum);
   at::Tensor y_scale = at::empty({0}, f32);
   if (e.fp8_out) {
     // y cast for the next layer as that layer would cast it (this recipe's
@@ -493,10 +493,10 @@ LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const
   const CastOut cdy = be.cast(dy.contiguous(), r.activation(), r.grad_format, compute_dw, sdy, r.pow2);
   if (compute_dx)
     std::get<0>(out) = be.gemm(cdy.data, cdy.scale, w_t.contiguous(), w_t_scale.contiguous(), r.activation(),
-                               r.weight(), c10::nullopt, dy.scalar_type());
+                               r.weight(), c10::nullopt, dy.scalar_type(), /*fast_accum=*/false);
   if (compute_dw)
     std::get<1>(out) = be.gemm(cdy.data_t, cdy.scale_t, x_t.contiguous(), x_t_scale.contiguous(), r.activation(),
-                               r.activation(), c10::nullopt, weight_dtype);
+                               r.activation(), c10::nullopt, weight_dtype, /*fast_accum=*/false);
   if (bias_dtype.has_value()) std::get<2>(out) = dy.sum(0, false, at::kFloat).to(*bias_dtype);
   if (delayed) record_amax(amax_history, 2, cdy.amax.view({1}));
   return out;
@@ -529,7 +529,13 @@ at::Tensor scale_from_amax_cpu(const at::Tensor& amax, float fmax, int64_t margi
   return out;
 }
 
-const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_reference, &scale_from_amax_cpu};
+at::Tensor gemm_cpu_impl(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
+                         Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                         bool /*fast_accum: FP32 accumulation always*/) {
+  return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+}
+
+const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_cpu_impl, &scale_from_amax_cpu};
 
 CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
@@ -545,14 +551,14 @@ CastTuple cast_meta(const at::Tensor& input, c10::string_view scaling, c10::stri
 
 at::Tensor gemm_meta(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
-                     c10::optional<at::ScalarType> out_dtype) {
+                     c10::optional<at::ScalarType> out_dtype, bool /*fast_accum*/) {
   const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
   return at::empty_symint(c10::SymDimVector{a.sym_size(0), b.sym_size(0)}, a.options().dtype(r.out_dtype));
 }
 
 at::Tensor gemm_cpu(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                     c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
-                    c10::optional<at::ScalarType> out_dtype) {
+                    c10::optional<at::ScalarType> out_dtype, bool /*fast_accum: FP32 accumulation always*/) {
   const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
   return gemm_reference(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype);
 }
@@ -562,10 +568,10 @@ LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, cons
                              c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                              bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                              const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                             c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
+                             c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
   return linear_forward(kCpuBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum});
 }
 
 LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -573,9 +579,9 @@ LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, con
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                              c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
   const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
-  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out};
+  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum};
   check_linear_forward(x, weight, bias, amax_history, r, save_x_t, save_w_t, e);
   return empty_forward_outputs(x, weight, r, save_x_t, save_w_t, e);
 }

@@ -91,8 +91,10 @@ struct Backend {
   // and dtypes (the weight cache buffers; data_t 2-D: the transposed copy).
   void (*cast_into)(const at::Tensor& input, Scaling, Format, const c10::optional<at::Tensor>& scale, bool pow2,
                     CastOut& out);
+  // fast_accum: the op's flag (the CPU reference ignores it).
   at::Tensor (*gemm)(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
-                     Scaling, Scaling, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+                     Scaling, Scaling, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                     bool fast_accum);
   // scale_from_amax elementwise over a float32 tensor.
   at::Tensor (*scale_from_amax)(const at::Tensor& amax, float fmax, int64_t margin, bool pow2);
 };
@@ -101,11 +103,12 @@ using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tens
 
 // The forward's optional inputs beyond the plain Linear: W already in FP8
 // (the weight cache), x already in FP8 (an FP8 output of the layer before),
-// and whether y leaves in FP8.
+// whether y leaves in FP8, and whether the GEMM accumulates fast.
 struct ForwardExtras {
   c10::optional<at::Tensor> w_fp8, w_fp8_scale, x_scale;
   c10::optional<at::ScalarType> out_dtype;
   bool fp8_out = false;
+  bool fast_accum = false;
 };
 using LinearBackwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 

@@ -90,7 +90,7 @@ bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, Scali
 
 at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, const at::Tensor& b_in,
                           const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,
-                          at::ScalarType out_dtype) {
+                          at::ScalarType out_dtype, bool fast_accum) {
   c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   if (!scaled_mm_takes(a, b, sa, sb, out_dtype)) return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
@@ -114,7 +114,11 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
   const bool epilogue_bias = bias.has_value() && bias->scalar_type() == out_dtype && out_dtype != at::kFloat;
   c10::optional<at::Tensor> b_mm;
   if (epilogue_bias) b_mm = bias->contiguous();
-  at::Tensor y = at::_scaled_mm(a, b.t(), sa_mm, sb_mm, b_mm, c10::nullopt, out_dtype, /*use_fast_accum=*/false);
+  // Block scales: cuBLASLt applies each K-block's scales to the partial
+  // sums, i.e. promotes them every 128 elements anyway; fast_accum is
+  // ignored there.
+  const bool fast = fast_accum && sa != Scaling::kBlock;
+  at::Tensor y = at::_scaled_mm(a, b.t(), sa_mm, sb_mm, b_mm, c10::nullopt, out_dtype, fast);
   if (bias.has_value() && !epilogue_bias) y = (y.to(at::kFloat) + bias->to(at::kFloat)).to(out_dtype);
   return y;
 }
@@ -130,10 +134,10 @@ CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::stri
 
 at::Tensor gemm_cuda(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      c10::string_view scaling_a, c10::string_view scaling_b, const c10::optional<at::Tensor>& bias,
-                     c10::optional<at::ScalarType> out_dtype) {
+                     c10::optional<at::ScalarType> out_dtype, bool fast_accum) {
   const GemmRequest r = parse_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype);
   check_supported_gpu(a, kGemm);
-  return gemm_cuda_impl(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype);
+  return gemm_cuda_impl(a, scale_a, b, scale_b, r.sa, r.sb, bias, r.out_dtype, fast_accum);
 }
 
 LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -141,12 +145,12 @@ LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, con
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                              c10::optional<at::ScalarType> out_dtype, bool fp8_out) {
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
   check_supported_gpu(x, "fp8_linear_forward");
   c10::cuda::CUDAGuard guard(x.device());
   return linear_forward(kCudaBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum});
 }
 
 void cache_weight_cuda(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,

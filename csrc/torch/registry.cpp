@@ -135,11 +135,15 @@ TORCH_LIBRARY(lowbit, m) {
   // fp8_gemm: y = dequant(a) dequant(b)^T (+ bias [N]), a [M, K], b [N, K]
   // FP8, FP32 accumulation, out_dtype bfloat16 (default), float16 or
   // float32; scalings (tensor, tensor), (row, row), (block, block) or
-  // (block, block2d), the scale shapes as fp8_cast's.
+  // (block, block2d), the scale shapes as fp8_cast's. fast_accum: on a
+  // Hopper GPU with tensor or row scales, the tensor cores' own accumulator
+  // over the whole K (no promotion of partial sums to FP32; faster, about 14
+  // significant bits; what TransformerEngine and torchao use for the
+  // forward GEMM); ignored with block scales and on the CPU.
   m.def("fp8_cast(Tensor input, str scaling, str dtype=\"e4m3\", bool transpose=False, Tensor? scale=None, "
         "bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_gemm(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, str scaling_a=\"tensor\", "
-        "str scaling_b=\"tensor\", Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+        "str scaling_b=\"tensor\", Tensor? bias=None, ScalarType? out_dtype=None, bool fast_accum=False) -> Tensor");
   // The FP8 Linear, one op per direction (lowbit.fp8_linear connects them
   // for autograd). recipe "tensorwise", "delayed", "rowwise" or "blockwise";
   // grad_dtype "e4m3" or "e5m2" (dy). amax_history float32 [3, L] (rows x,
@@ -157,7 +161,7 @@ TORCH_LIBRARY(lowbit, m) {
   // layer before; save_x_t must be False; out_dtype required); out_dtype:
   // y's dtype (default x's); fp8_out: y leaves as FP8 E4M3 under the
   // recipe's activation scaling, current scaling, its scales the sixth
-  // output (else [0]).
+  // output (else [0]); fast_accum: as fp8_gemm's, for the forward GEMM.
   // fp8_linear_cache_weight: W's cast (data [N, K], scales, the transposed
   // copy [K, N] and its scales) written in place into the cache buffers,
   // contiguous, of the shapes fp8_cast gives; "delayed": W's scale from row
@@ -165,8 +169,8 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("fp8_linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) amax_history, str recipe, "
         "str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, bool pow2_scales=False, "
         "bool save_x_t=True, bool save_w_t=True, Tensor? w_fp8=None, Tensor? w_fp8_scale=None, "
-        "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False) -> (Tensor, Tensor, Tensor, Tensor, "
-        "Tensor, Tensor)");
+        "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False, bool fast_accum=False) -> (Tensor, "
+        "Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_linear_cache_weight(Tensor weight, Tensor(a!) amax_history, Tensor(b!) w_data, Tensor(c!) w_scale, "
         "Tensor(d!) w_t_data, Tensor(e!) w_t_scale, str recipe, str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False) -> ()");

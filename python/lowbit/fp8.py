@@ -44,6 +44,13 @@ class Fp8Recipe:
     amax_history_len, amax_compute (``"max"`` or ``"most_recent"``), margin:
       delayed scaling only: scale = reduce(history) / fmax * 2^margin.
     pow2_scales: every scale rounded up to a power of two.
+    fast_accum: the forward GEMM (y = x W^T) accumulates in the Hopper FP8
+      tensor cores' own accumulator over all of K (about 14 significant bits)
+      instead of promoting partial sums to FP32 at intervals: faster, and
+      what TransformerEngine and torchao do by default in the forward. The
+      backward GEMMs always promote. Tensorwise, delayed and rowwise only
+      (block scales promote every 128 elements anyway); the CPU reference
+      accumulates in FP32 either way.
     """
 
     name: str = "tensorwise"
@@ -52,6 +59,7 @@ class Fp8Recipe:
     amax_compute: str = "max"
     margin: int = 0
     pow2_scales: bool = False
+    fast_accum: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in RECIPES:
@@ -125,16 +133,21 @@ def fp8_gemm(
     scaling_b: str = "tensor",
     bias: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    fast_accum: bool = False,
 ) -> Tensor:
     """y = dequant(a) @ dequant(b)^T (+ bias): a [M, K], b [N, K] FP8 with
     scales as :func:`fp8_cast` returns them, FP32 accumulation, y [M, N] in
     ``out_dtype`` (bfloat16 by default, float16 or float32). Scalings
     (a, b): (tensor, tensor), (row, row), (block, block) or (block, block2d).
+    ``fast_accum``: on a Hopper GPU with tensor or row scales, accumulate in
+    the tensor cores' own accumulator (:class:`Fp8Recipe`'s ``fast_accum``).
     Not differentiable (:func:`fp8_linear` is)."""
-    return torch.ops.lowbit.fp8_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype)
+    return torch.ops.lowbit.fp8_gemm(a, scale_a, b, scale_b, scaling_a, scaling_b, bias, out_dtype, fast_accum)
 
 
 def _recipe_args(recipe: Fp8Recipe) -> tuple:
+    """The recipe as the forward and backward ops take it (positional); the
+    forward's fast_accum goes separately."""
     return recipe.name, recipe.grad_format, recipe.amax_compute, recipe.margin, recipe.pow2_scales
 
 
@@ -240,7 +253,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     # each backward must run before the layer's next forward (docs/fp8.md).
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, state, recipe_args, needs_dx, needs_dw, w_data, w_scale, cache_w_t,
+    def forward(ctx, x2, weight, bias, state, recipe_args, fast_accum, needs_dx, needs_dw, w_data, w_scale, cache_w_t,
                 cache_w_t_scale):
         # With a weight cache (w_data not None) the op reads W's cast from it
         # and the backward reads W's transposed copy from it: saved, so the
@@ -248,7 +261,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         cached = w_data is not None
         y, x_t, x_t_scale, w_t, w_t_scale, _ = torch.ops.lowbit.fp8_linear_forward(
             x2, weight, bias, state, *recipe_args, save_x_t=needs_dw, save_w_t=needs_dx and not cached,
-            w_fp8=w_data, w_fp8_scale=w_scale,
+            w_fp8=w_data, w_fp8_scale=w_scale, fast_accum=fast_accum,
         )
         if cached:
             w_t, w_t_scale = cache_w_t, cache_w_t_scale
@@ -261,7 +274,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return _linear_backward(ctx, dy, *ctx.saved_tensors) + (None,) * 8
+        return _linear_backward(ctx, dy, *ctx.saved_tensors) + (None,) * 9
 
 
 def _linear_backward(ctx, dy, x_t, x_t_scale, w_t, w_t_scale) -> tuple:
@@ -295,7 +308,7 @@ def _fp8_linear_no_grad(x, weight, bias, recipe, state, weight_cache, fp8_output
     y, *_, y_scale = torch.ops.lowbit.fp8_linear_forward(
         x2, weight, bias, state, *_recipe_args(recipe), save_x_t=False, save_w_t=False, w_fp8=cache[0],
         w_fp8_scale=cache[1], x_scale=x.scale if fp8_in else None, out_dtype=x.dtype if fp8_in else None,
-        fp8_out=fp8_output)
+        fp8_out=fp8_output, fast_accum=recipe.fast_accum)
     y = y.reshape(*data.shape[:-1], weight.shape[0])
     if fp8_output:
         return Fp8Activation(y, y_scale, activation_scaling(recipe), x.dtype)
@@ -356,5 +369,6 @@ def fp8_linear(
     needs_dx = x.requires_grad and torch.is_grad_enabled()
     needs_dw = weight.requires_grad and torch.is_grad_enabled()
     cache = (None,) * 4 if weight_cache is None else tuple(weight_cache)
-    y = _Fp8LinearFunction.apply(x2, weight, bias, state, _recipe_args(recipe), needs_dx, needs_dw, *cache)
+    y = _Fp8LinearFunction.apply(x2, weight, bias, state, _recipe_args(recipe), recipe.fast_accum, needs_dx, needs_dw,
+                                 *cache)
     return y.reshape(*x.shape[:-1], weight.shape[0])

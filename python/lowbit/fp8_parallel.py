@@ -188,7 +188,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
     x [M / tp, K]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state, recipe_args, group, needs_dx, needs_dw):
+    def forward(ctx, x, weight, bias, state, recipe_args, fast_accum, group, needs_dx, needs_dw):
         ops = torch.ops.lowbit
         pow2 = recipe_args[4]
         # The whole x's amax, then its scale by fp8_cast's own rule (the cast
@@ -206,7 +206,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
         gathered = _all_gather(codes.view(torch.uint8), group).view(torch.float8_e4m3fn)
         y, _, _, w_t, w_t_scale, _ = ops.fp8_linear_forward(
             gathered, weight, bias, state, *recipe_args, save_x_t=False, save_w_t=needs_dx, x_scale=scale,
-            out_dtype=x.dtype)
+            out_dtype=x.dtype, fast_accum=fast_accum)
         # Tensor scaling: x^T's codes are x's, transposed.
         x_t = gathered.t().contiguous() if needs_dw else gathered.new_empty(0)
         ctx.save_for_backward(x_t, scale, w_t, w_t_scale)
@@ -221,7 +221,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
         dx, dw, db = _linear_backward(ctx, dy, *ctx.saved_tensors)
         dx = None if dx is None else _reduce_scatter(dx, ctx.group)  # the gathered x's gradient, back to shards
-        return (dx, dw, db) + (None,) * 5
+        return (dx, dw, db) + (None,) * 6
 
 
 def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str) -> Tensor:
@@ -231,6 +231,6 @@ def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, st
 
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled()
-    y = _Fp8GatherLinear.apply(x2, weight, bias, state, _recipe_args(recipe), group,
+    y = _Fp8GatherLinear.apply(x2, weight, bias, state, _recipe_args(recipe), recipe.fast_accum, group,
                                grad and x.requires_grad, grad and weight.requires_grad)
     return y.reshape(-1, *x.shape[1:-1], weight.shape[0])

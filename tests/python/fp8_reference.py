@@ -123,7 +123,8 @@ def gemm(a, sa, b, sb, scaling_a, scaling_b, fmt_a="e4m3", fmt_b="e4m3", bias=No
     return y
 
 
-def gemm_tolerance(a, sa, b, sb, scaling_a, scaling_b, fmt_a, fmt_b, out_dtype, device="cpu") -> torch.Tensor:
+def gemm_tolerance(a, sa, b, sb, scaling_a, scaling_b, fmt_a, fmt_b, out_dtype, device="cpu",
+                   fast_accum=False) -> torch.Tensor:
     """Bound on |fp8_gemm - float64 product| per element: FP32 accumulation
     (each of the K products and partial sums rounded at most once per
     addition: K * 2^-24 times the sum of |products|, doubled for slack and
@@ -134,12 +135,20 @@ def gemm_tolerance(a, sa, b, sb, scaling_a, scaling_b, fmt_a, fmt_b, out_dtype, 
     and cuBLASLt promotes their partial sums to FP32 at intervals; so the
     bound there adds 2^-10 of the sum of |products| (the differences seen on
     an H100 reached about 2^-12.5 of it). That is still 64 times below one
-    E4M3 rounding, so a wrong scale or block still fails."""
+    E4M3 rounding, so a wrong scale or block still fails.
+
+    With ``fast_accum`` (tensor or row scales) nothing is promoted: the
+    accumulator takes one add per 32-wide MMA step along K, each rounding
+    off at most 2^-13 of a partial sum bounded by the sum of |products|, so
+    the bound adds ceil(K/32) * 2^-13 of it (2^-8 at K = 1024: still 16
+    times below one E4M3 rounding)."""
     abs_prod = dequantize(a, sa, scaling_a, fmt_a).abs() @ dequantize(b, sb, scaling_b, fmt_b).abs().t()
     k = a.shape[1]
     acc = abs_prod * (2 * (k + 2) * 2.0**-24) + 1e-30
     if str(device).startswith("cuda"):
         acc = acc + abs_prod * 2.0**-10
+        if fast_accum and scaling_a != "block":
+            acc = acc + abs_prod * (-(-k // 32) * 2.0**-13)
     out_eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
     return acc, out_eps
 

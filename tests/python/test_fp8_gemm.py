@@ -28,15 +28,15 @@ def operands(m, n, k, pair, fmt_a="e4m3", fmt_b="e4m3", key=()):
     return qa.view(ref.DTYPE[fmt_a]), sa, qb.view(ref.DTYPE[fmt_b]), sb
 
 
-def check(a, sa, b, sb, pair, bias=None, out_dtype=torch.bfloat16, device="cpu"):
+def check(a, sa, b, sb, pair, bias=None, out_dtype=torch.bfloat16, device="cpu", fast_accum=False):
     fa = "e4m3" if a.dtype == torch.float8_e4m3fn else "e5m2"
     fb = "e4m3" if b.dtype == torch.float8_e4m3fn else "e5m2"
     dev = lambda t: None if t is None else t.to(device)  # noqa: E731
-    y = lowbit.fp8_gemm(dev(a), dev(sa), dev(b), dev(sb), pair[0], pair[1], dev(bias), out_dtype)
+    y = lowbit.fp8_gemm(dev(a), dev(sa), dev(b), dev(sb), pair[0], pair[1], dev(bias), out_dtype, fast_accum)
     assert y.dtype == out_dtype and y.shape == (a.shape[0], b.shape[0])
     a8, b8 = a.view(torch.uint8), b.view(torch.uint8)
     want = ref.gemm(a8, sa, b8, sb, pair[0], pair[1], fa, fb, bias)
-    acc, out_eps = ref.gemm_tolerance(a8, sa, b8, sb, pair[0], pair[1], fa, fb, out_dtype, device)
+    acc, out_eps = ref.gemm_tolerance(a8, sa, b8, sb, pair[0], pair[1], fa, fb, out_dtype, device, fast_accum)
     if bias is not None:
         acc = acc + bias.abs().to(torch.float64) * 2.0**-23
     ref.assert_gemm_close(y, want, acc, out_eps)
@@ -135,3 +135,4 @@ def test_cuda_matches_float64(pair, out_dtype, mnk):
     bias = torch.randn(mnk[1], generator=seeded("cuda-bias", mnk)).to(out_dtype)
     check(a, sa, b, sb, pair, device="cuda", out_dtype=out_dtype)
     check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype)
+    check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype, fast_accum=True)

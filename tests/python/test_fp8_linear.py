@@ -25,8 +25,13 @@ RECIPES = [
     Fp8Recipe("rowwise", grad_format="e5m2", pow2_scales=True),
     Fp8Recipe("blockwise"),
     Fp8Recipe("blockwise", pow2_scales=True),
+    # The forward GEMM promoting to FP32 too (on the GPU; the default
+    # accumulates fast there, with a wider bound).
+    Fp8Recipe("tensorwise", fast_accum=False),
+    Fp8Recipe("rowwise", fast_accum=False),
 ]
-IDS = [f"{r.name}-{r.grad_format}-{r.amax_compute}-m{r.margin}-p{int(r.pow2_scales)}" for r in RECIPES]
+IDS = [f"{r.name}-{r.grad_format}-{r.amax_compute}-m{r.margin}-p{int(r.pow2_scales)}-f{int(r.fast_accum)}"
+       for r in RECIPES]
 
 
 def seeded(*key):
@@ -59,7 +64,8 @@ def check_step(x, w, b, dy, recipe, state):
     ops = ref.linear_operands(x2, w, dy2, recipe, history)
     y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
     cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
-    acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", y.dtype, y.device)
+    acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", y.dtype, y.device,
+                                  recipe.fast_accum)
     if b is not None:
         acc = acc + b.abs().to(torch.float64) * 2.0**-23
     ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc, eps)
@@ -271,7 +277,8 @@ def test_cuda_matches_float64_and_cpu_state(recipe, shape):
         ops = ref.linear_operands(x2, w, dy2, recipe, history)
         y_ref, dx_ref, dw_ref = ref.linear_step(ops, b)
         cx, cw, cdy, act, wsc, g = ops["x"], ops["w"], ops["dy"], ops["act"], ops["wsc"], ops["grad"]
-        acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", torch.bfloat16, "cuda")
+        acc, eps = ref.gemm_tolerance(cx[0], cx[1], cw[0], cw[1], act, wsc, "e4m3", "e4m3", torch.bfloat16, "cuda",
+                                      recipe.fast_accum)
         ref.assert_gemm_close(y.reshape(y_ref.shape), y_ref, acc + b.abs().double() * 2.0**-7, eps)
         acc, eps = ref.gemm_tolerance(cdy[0], cdy[1], cw[2], cw[3], act, wsc, g, "e4m3", torch.bfloat16, "cuda")
         ref.assert_gemm_close(dx.reshape(dx_ref.shape), dx_ref, acc, eps)
