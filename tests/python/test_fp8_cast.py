@@ -198,6 +198,27 @@ def test_cuda_matches_cpu_bitwise(scaling, fmt, dtype, shape):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+# The row amax pass walks strips of 128 columns, several 128-row tiles per
+# CTA once the strips alone would not fill the GPU: 4000 x 8192 (64 strips,
+# a ragged last tile) and 140000 x 24 (one strip, misaligned rows: the
+# element loads) take that loop; an unaligned input's tensor amax too.
+@pytest.mark.parametrize("shape", [(4000, 8192), (140000, 24)])
+def test_cuda_amax_pass_over_many_tiles_per_cta(dtype, shape):
+    gen = seeded("many tiles", dtype, shape)
+    x = (torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen) * 8).to(dtype)
+    x[shape[0] - 1, 3] = -300.0  # the last row's and a column's amax from the ragged tile
+    base = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")
+    xc = base[1:].view(shape)  # 2 or 4 bytes off: the tensor amax takes the strip kernel too
+    xc.copy_(x)
+    for scaling, inp in (("row", x.cuda()), ("row", xc), ("tensor", xc)):
+        got = lowbit.fp8_cast(inp, scaling, "e4m3", True)
+        want = lowbit.fp8_cast(x, scaling, "e4m3", True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("magnitude", [1e-33, 1e-25, 3e30, 3e33])
 def test_cuda_extreme_magnitudes_and_misaligned_input(scaling, magnitude):

@@ -83,11 +83,9 @@ __device__ __forceinline__ float warp_amax(float v) {
 struct Tile {
   int64_t row0, col0;  // the tile's first element
   int cg, g;           // this thread's column group and row group
-  __device__ Tile()
-      : row0(int64_t(blockIdx.x) * kBlockSize),
-        col0(int64_t(blockIdx.y) * kBlockSize),
-        cg(int(threadIdx.x) % kColGroups),
-        g(int(threadIdx.x) / kColGroups) {}
+  __device__ Tile() : Tile(int64_t(blockIdx.x) * kBlockSize, int64_t(blockIdx.y) * kBlockSize) {}
+  __device__ Tile(int64_t r0, int64_t c0)
+      : row0(r0), col0(c0), cg(int(threadIdx.x) % kColGroups), g(int(threadIdx.x) / kColGroups) {}
   __device__ int row(int pass, int q) const { return pass * kPassRows + g * kGroupRows + q; }
   __device__ int col(int e) const { return cg * kVec + e; }
 };
@@ -125,21 +123,27 @@ __device__ __forceinline__ float thread_amax(const TileValues<T>& v) {
   return m;
 }
 
-// Each of this thread's columns' amax over the tile's 128 rows, through
-// shared memory (`red` [kWarps][128], `col` [128]).
+// This thread's amax of each of its columns over its rows of the tile.
 template <typename T>
-__device__ __forceinline__ void tile_column_amaxes(const TileValues<T>& v, const Tile& t, unsigned (*red)[kBlockSize],
-                                                   unsigned* col, float (&out)[kVec]) {
-  const int warp = threadIdx.x / 32;
+__device__ __forceinline__ void thread_column_amaxes(const TileValues<T>& v, float (&c)[kVec]) {
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    float c = 0.f;
+  for (int e = 0; e < kVec; ++e)
 #pragma unroll
     for (int p = 0; p < kPasses; ++p)
 #pragma unroll
-      for (int q = 0; q < kGroupRows; ++q) c = amax2(c, to_float(v[p][q][e]));
-    c = amax2(c, __shfl_xor_sync(0xffffffffu, c, 16));  // the warp's other row group
-    if (threadIdx.x % 32 < kColGroups) red[warp][t.col(e)] = __float_as_uint(c);
+      for (int q = 0; q < kGroupRows; ++q) c[e] = amax2(c[e], to_float(v[p][q][e]));
+}
+
+// Each of this thread's columns' amax over the CTA's threads' column amaxes
+// `c` (every row group's), through shared memory (`red` [kWarps][128],
+// `col` [128]).
+__device__ __forceinline__ void cta_column_amaxes(const float (&c)[kVec], const Tile& t, unsigned (*red)[kBlockSize],
+                                                  unsigned* col, float (&out)[kVec]) {
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const float both = amax2(c[e], __shfl_xor_sync(0xffffffffu, c[e], 16));  // the warp's other row group
+    if (threadIdx.x % 32 < kColGroups) red[warp][t.col(e)] = __float_as_uint(both);
   }
   __syncthreads();
   if (threadIdx.x < kBlockSize) {
@@ -153,6 +157,15 @@ __device__ __forceinline__ void tile_column_amaxes(const TileValues<T>& v, const
   for (int e = 0; e < kVec; ++e) out[e] = __uint_as_float(col[t.col(e)]);
 }
 
+// Each of this thread's columns' amax over the tile's 128 rows.
+template <typename T>
+__device__ __forceinline__ void tile_column_amaxes(const TileValues<T>& v, const Tile& t, unsigned (*red)[kBlockSize],
+                                                   unsigned* col, float (&out)[kVec]) {
+  float c[kVec] = {};
+  thread_column_amaxes(v, c);
+  cta_column_amaxes(c, t, red, col, out);
+}
+
 // The CTA's amax (every thread gets it), through shared memory `red` [kWarps].
 __device__ __forceinline__ float tile_amax(float m, unsigned* red) {
   m = warp_amax(m);
@@ -164,36 +177,56 @@ __device__ __forceinline__ float tile_amax(float m, unsigned* red) {
   return all;
 }
 
-// The amax pass of tensor and row scaling: the tensor's amax and, with
-// rows_out / cols_out, every row's and column's.
+// The amax pass of row scaling (and of tensor scaling over an unaligned
+// input): the tensor's amax and, with rows_out / cols_out, every row's and
+// column's. A CTA walks a strip of 128 columns down `tiles_per_cta` tiles:
+// no barrier between tiles, so its warps keep loads in flight while others
+// reduce; column amaxes stay in registers until the strip's end (one shared
+// reduction and one atomic per column per CTA), row amaxes go out per tile
+// (16-lane shuffles, one atomic per row per strip).
+// Residency: three CTAs per SM for 2-byte inputs (the tile in 32 registers),
+// two for float (64).
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) amax_kernel(const T* x, int64_t rows, int64_t cols, bool vec, float* total,
-                                                        unsigned* rows_out, unsigned* cols_out) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 3 : 2)
+    amax_kernel(const T* x, int64_t rows, int64_t cols, bool vec, int64_t tiles_per_cta, float* total,
+                unsigned* rows_out, unsigned* cols_out) {
   __shared__ unsigned red[kWarps][kBlockSize];
   __shared__ unsigned col[kBlockSize];
-  const Tile t;
-  TileValues<T> v;
-  load_tile(x, rows, cols, vec, t, v);
-  const float m = warp_amax(thread_amax(v));
+  const int64_t first = int64_t(blockIdx.x) * tiles_per_cta * kBlockSize;
+  const int64_t last = std::min<int64_t>(rows, first + tiles_per_cta * kBlockSize);
+  const Tile strip(first, int64_t(blockIdx.y) * kBlockSize);
+  float m = 0.f, c[kVec] = {};
+  for (int64_t row0 = first; row0 < last; row0 += kBlockSize) {
+    const Tile t(row0, strip.col0);
+    TileValues<T> v;
+    load_tile(x, rows, cols, vec, t, v);
+    if (rows_out == nullptr) {
+      m = amax2(m, thread_amax(v));
+      continue;
+    }
+    thread_column_amaxes(v, c);
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+#pragma unroll
+      for (int q = 0; q < kGroupRows; ++q) {
+        float r = 0.f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[p][q][e]));
+        r = row_amax(r);
+        m = amax2(m, r);
+        const int64_t i = row0 + t.row(p, q);
+        if (t.cg == 0 && i < rows) atomic_amax(rows_out + i, r);
+      }
+  }
+  m = warp_amax(m);
   if (threadIdx.x % 32 == 0) atomic_amax(total, m);
   if (rows_out == nullptr) return;
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p)
-#pragma unroll
-    for (int q = 0; q < kGroupRows; ++q) {
-      float r = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[p][q][e]));
-      r = row_amax(r);
-      const int64_t i = t.row0 + t.row(p, q);
-      if (t.cg == 0 && i < rows) atomic_amax(rows_out + i, r);
-    }
-  float c[kVec];
-  tile_column_amaxes(v, t, red, col, c);
-  if (t.g == 0) {
+  float out[kVec];
+  cta_column_amaxes(c, strip, red, col, out);
+  if (strip.g == 0) {
 #pragma unroll
     for (int e = 0; e < kVec; ++e)
-      if (t.col0 + t.col(e) < cols) atomic_amax(cols_out + t.col0 + t.col(e), c[e]);
+      if (strip.col0 + strip.col(e) < cols) atomic_amax(cols_out + strip.col0 + strip.col(e), out[e]);
   }
 }
 
@@ -521,7 +554,15 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
       const int64_t ctas = std::min<int64_t>((n + per_cta - 1) / per_cta, int64_t(cuda::num_sms()) * 8);
       tensor_amax_kernel<T><<<unsigned(ctas), kThreads, 0, stream>>>(x, n, a.amax);
     } else {
-      amax_kernel<T><<<grid, kThreads, 0, stream>>>(x, a.rows, a.cols, vec_in, a.amax, row_amax, col_amax);
+      // Strips of 128 columns, each split into row ranges so that about 8
+      // CTAs per SM run (two to four waves of the resident CTAs).
+      const int64_t row_tiles = ceil_div128(a.rows), strips = ceil_div128(a.cols);
+      const int64_t want = int64_t(cuda::num_sms()) * 8;
+      const int64_t splits = std::clamp<int64_t>((want + strips - 1) / strips, 1, row_tiles);
+      const int64_t tiles_per_cta = (row_tiles + splits - 1) / splits;
+      const dim3 amax_grid(unsigned((row_tiles + tiles_per_cta - 1) / tiles_per_cta), unsigned(strips));
+      amax_kernel<T><<<amax_grid, kThreads, 0, stream>>>(x, a.rows, a.cols, vec_in, tiles_per_cta, a.amax, row_amax,
+                                                         col_amax);
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
