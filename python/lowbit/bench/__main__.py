@@ -1,14 +1,17 @@
-"""python -m lowbit.bench <suite> [--json PATH] [--quick]
+"""python -m lowbit.bench <suite> [--json PATH] [--quick] [--shapes M,K,N;...]
 
 Each suite is a module lowbit.bench.<suite> with
 ``run(hw: Hardware, quick: bool) -> (rows, columns)``; the table is printed
-and the rows, with the measured hardware, written as JSON.
+and the rows, with the measured hardware, written as JSON. ``--shapes``
+(suites whose run takes ``shapes``: fp8_train) measures those shapes
+instead of the suite's own, e.g. half of them per run.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import pkgutil
 import sys
@@ -30,7 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("suite", choices=available_suites())
     parser.add_argument("--json", help="write rows and measured hardware to this file")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for smoke runs")
+    parser.add_argument("--shapes", help="semicolon-separated comma-separated sizes, e.g. '16384,4096,14336;2048,4096,4096'")
     args = parser.parse_args(argv)
+    suite = importlib.import_module(f"lowbit.bench.{args.suite}")
+    kwargs = {}
+    if args.shapes:
+        if "shapes" not in inspect.signature(suite.run).parameters:
+            parser.error(f"--shapes: suite {args.suite!r} has no shape selection")
+        try:
+            kwargs["shapes"] = [tuple(int(v) for v in part.split(",")) for part in args.shapes.split(";") if part]
+        except ValueError:
+            parser.error(f"--shapes: expected sizes like '16384,4096,14336;2048,4096,4096', got {args.shapes!r}")
     if not torch.cuda.is_available():
         print("lowbit.bench: benchmarks need a CUDA GPU", file=sys.stderr)
         return 2
@@ -39,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {hw.name}: {hw.sms} SMs, L2 {hw.l2_bytes / 2**20:.0f} MiB, measured HBM {hw.hbm_bytes_per_s / 1e12:.2f} TB/s, "
         f"BF16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, FP8 {hw.fp8_flops / 1e12:.0f} TFLOP/s"
     )
-    suite = importlib.import_module(f"lowbit.bench.{args.suite}")
-    rows, columns = suite.run(hw, args.quick)
+    rows, columns = suite.run(hw, args.quick, **kwargs)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun (fp8_parallel) one rank reports
         return 0
     print(format_table(rows, columns))

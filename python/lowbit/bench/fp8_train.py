@@ -198,6 +198,9 @@ def _time_shape(hw: Hardware, shape, ao, use_graph: bool) -> tuple[dict, dict]:
 def run(hw: Hardware, quick: bool, shapes=None, use_graph: bool = True):
     """The suite; ``shapes`` (a list of (M, K, N)) runs others than the
     defaults, e.g. half of them per process."""
+    for shape in shapes or ():
+        if len(shape) != 3 or min(shape) < 1:
+            raise ValueError(f"fp8_train: shapes are (M tokens, K in, N out), each >= 1; got {tuple(shape)}")
     ao = torchao_float8()
     if isinstance(ao, str):
         print(f"# {ao}: its rows are n/a")
