@@ -1,7 +1,9 @@
-"""Tensor- and sequence-parallel Fp8Linear (lowbit.fp8_parallel) on the CPU:
-two processes over gloo run a column-parallel then a row-parallel layer
-(an MLP's up and down projections), eagerly and compiled, and the results
-are compared with the same layers in one process.
+"""Tensor- and sequence-parallel Fp8Linear (lowbit.fp8_parallel): two
+processes run a column-parallel then a row-parallel layer (an MLP's up and
+down projections), eagerly and compiled, and the results are compared with
+the same layers in one process; also the FP8 all-gather, FSDP2 and DCP.
+On the CPU over gloo; the test_cuda_nccl_* test runs every case again on
+two GPUs over NCCL (one process per GPU).
 
 The two runs cannot agree bit for bit: each rank scales its own shard of
 W and of the hidden activation (a tensor or row scale over the shard, not
@@ -28,10 +30,27 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 WORLD = 2
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
 M, K, H = 256, 256, 512  # tokens, model width, hidden width (shards: multiples of 128)
+DEV = torch.device("cpu")  # this process's device (a worker on a GPU sets its own)
 
 
-def _worker(rank, world, init_file, out_dir, cases, extras):  # noqa: C901  (one branch per extra)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _cpu(obj):
+    """obj with every tensor moved to the CPU (results leave the workers so)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # noqa: C901  (one branch per extra)
+    global DEV
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        DEV = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
         if "errors" in extras:
@@ -42,16 +61,17 @@ def _worker(rank, world, init_file, out_dir, cases, extras):  # noqa: C901  (one
             results["fsdp"] = {r: _fsdp_steps(rank, world, r) for r in RECIPES}
         if "dcp" in extras:
             results["dcp"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint")
-        torch.save(results, f"{out_dir}/{rank}.pt")
+        torch.save(_cpu(results), f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def spawn(cases, extras=()):
-    """Runs the MLP cases (and the extras: "errors", "gather") on WORLD
-    processes; returns each rank's results."""
+def spawn(cases, extras=(), device="cpu"):
+    """Runs the MLP cases (and the extras: "errors", "gather", "fsdp",
+    "dcp") on WORLD processes, on the CPU (gloo) or one GPU each (NCCL);
+    returns each rank's results, on the CPU."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras), nprocs=WORLD)
+        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras, device), nprocs=WORLD)
         return [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
 
 
@@ -68,7 +88,7 @@ def _layers(dtype=torch.float32, seed=0):
 
 def _mlp(rank, world, recipe, sequence_parallel, compiled, fp8_all_gather=True, dtype=torch.float32):
     """This rank's y, dx, dW and db of down(up(x)) split over the group."""
-    up, down, x, dy = _layers(dtype)
+    up, down, x, dy = (t.to(DEV) for t in _layers(dtype))
     pg = dist.group.WORLD
     t_up = Fp8Linear.from_linear(up, recipe, parallel="column", process_group=pg, sequence_parallel=sequence_parallel,
                                  fp8_all_gather=fp8_all_gather)
@@ -124,9 +144,9 @@ def _sharded(recipe, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _fsdp_model()
+    model = _fsdp_model().to(DEV)
     lowbit.convert_to_fp8_training(model, recipe=recipe, policy="all", progress=False)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEV.type, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -136,7 +156,7 @@ def _train(model, rank, world, steps, seed):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        x = torch.randn(M, K, generator=gen)
+        x = torch.randn(M, K, generator=gen).to(DEV)
         model(x.chunk(world)[rank]).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -172,16 +192,16 @@ def _fsdp_steps(rank, world, recipe, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _fsdp_model()
+    model = _fsdp_model().to(DEV)
     lowbit.convert_to_fp8_training(model, recipe=recipe, policy="all", progress=False)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEV.type, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x = torch.randn(M, K, generator=gen)
+        x = torch.randn(M, K, generator=gen).to(DEV)
         model(x.chunk(world)[rank]).pow(2).mean().backward()  # the mean of the ranks' means: the batch's
         opt.step()
         opt.zero_grad()
@@ -367,3 +387,36 @@ def test_fp8_state_dict_holds_the_buffers_and_loading_checks_keys_and_shapes():
     tensorwise = nn.Sequential(nn.Linear(32, 32))
     lowbit.convert_to_fp8_training(tensorwise, policy="all", progress=False)
     assert lowbit.fp8_state_dict(tensorwise) == {}  # stateless recipes have nothing to save
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD and dist.is_nccl_available()),
+                    reason=f"needs {WORLD} CUDA GPUs and NCCL")
+def test_cuda_nccl_every_case_on_two_gpus():
+    # Every case above, one process per GPU over NCCL, in one spawn: the
+    # MLP eagerly (each recipe, with and without sequence parallelism) and
+    # compiled, the FP8 all-gather, FSDP2 training and the DCP round trip.
+    # Checked against the same single-process CPU references and bounds
+    # (the GPU's own accumulation differs from the CPU's by far less than
+    # FP8's rounding).
+    cases = [(r, sp, False) for r in RECIPES for sp in (False, True)] + [("tensorwise", True, True),
+                                                                          ("blockwise", False, True)]
+    results = spawn(cases, ("gather", "fsdp", "dcp"), device="cuda")
+    for case in cases:
+        _check(results, case)
+    for compiled in (False, True):
+        for rank in range(WORLD):
+            fp8, bf16 = results[rank]["gather"][True, compiled], results[rank]["gather"][False, compiled]
+            for key in ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias"):
+                assert torch.equal(fp8[key], bf16[key]), (compiled, rank, key)
+    exact = _single_process_steps(None, fp8=False)
+    for recipe in RECIPES:
+        got = results[0]["fsdp"][recipe]
+        assert torch.equal(got["weight"], results[1]["fsdp"][recipe]["weight"])
+        single = _single_process_steps(recipe)
+        assert _rel(got["weight"], single) <= 1.5 * _rel(single, exact) + 1e-5, recipe
+    for r in results:
+        dcp_out = r["dcp"]
+        for key, saved in dcp_out["saved"].items():
+            assert saved.abs().sum() > 0 and torch.equal(dcp_out["loaded"][key], saved)
+        assert torch.equal(dcp_out["fresh"]["weight"], dcp_out["model"]["weight"])
