@@ -72,7 +72,7 @@ write_record() {
     echo "| commit | $commit, tree $dirty |"
     echo "| GPU | ${gpu:-none} (driver ${driver:-?}) |"
     echo "| torch | ${torchv:-?} |"
-    echo "| command | \`MODE=$MODE WORKERS=$WORKERS TESTS=\"$TESTS\" SUITES=\"$SUITES\" bash scripts/gpu_check.sh\` |"
+    echo "| command | \`MODE=$MODE WORKERS=$WORKERS TESTS=\"$TESTS\" SUITES=\"$SUITES\"${SANITIZE_FAMILIES:+ SANITIZE_FAMILIES=\"$SANITIZE_FAMILIES\"} bash scripts/gpu_check.sh\` |"
     [[ -n ${test_cmd:-} ]] && echo "| test command | \`$test_cmd\` |"
     [[ -n ${test_counts:-} ]] && echo "| tests | $test_counts |"
     [[ -n ${concurrency:-} ]] && echo "| concurrency test | $concurrency |"
