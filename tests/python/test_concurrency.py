@@ -635,6 +635,18 @@ def add_fp8_cases(b: Builder):
                   lambda scaling=scaling, fmt=fmt: tuple(lowbit.fp8_cast(x, scaling, fmt, transpose=True)),
                   check_cast)
 
+    # Many rows, one column strip: the row amax pass walks several tiles
+    # per CTA (fp8_cast.cu amax_kernel), misaligned rows take element loads.
+    tall = b.randn(140000, 24, gen=g, dtype=torch.bfloat16, std=3.0)
+    tall_cpu = tall.cpu()
+
+    def check_tall(out):
+        want = lowbit.fp8_cast(tall_cpu, "row", "e4m3", transpose=True)
+        return None if same_bits([t.cpu() for t in out], list(want)) else "differs from the CPU op"
+
+    b.add("fp8_cast", "fp8_cast row e4m3 + transpose 140000x24 (several tiles per amax CTA)",
+          lambda: tuple(lowbit.fp8_cast(tall, "row", "e4m3", transpose=True)), check_tall)
+
     gm, gn, gk = (128, 256, 512) if b.small else (1024, 2048, 1536)
     g = b.gen("fp8 gemm")
     a_hp = b.randn(gm, gk, gen=g, dtype=torch.bfloat16)
