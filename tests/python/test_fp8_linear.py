@@ -286,6 +286,38 @@ def test_cuda_matches_float64_and_cpu_state(recipe, shape):
         ref.assert_gemm_close(dw, dw_ref, acc, eps)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES[:1] + RECIPES[2:3] + RECIPES[4:5] + RECIPES[6:7], ids=lambda r: r.name)
+def test_cuda_reduce_overhead_training_steps_bitwise_equal_to_eager(recipe):
+    # torch.compile(mode="reduce-overhead"): Inductor's CUDA graphs capture
+    # the forward and backward and replay them step after step; no step may
+    # be skipped from the graphs (a mutated history, a CPU tensor, a sync),
+    # and every step's output, gradients and history are the eager step's.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    model = TwoLayers(recipe, k=256, h=512, n=128).cuda()
+    eager = TwoLayers(recipe, k=256, h=512, n=128).cuda()
+    eager.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for i in range(4):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+        outs = []
+        for m in (compiled, eager):
+            for p in model.parameters() if m is compiled else eager.parameters():
+                p.grad = None
+            y = m(x)
+            y.float().square().sum().backward()
+            outs.append(y.detach().clone())
+        assert torch.equal(outs[0], outs[1]), i
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad), i
+        assert torch.equal(model.s1, eager.s1) and torch.equal(model.s2, eager.s2), i
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 # Blockwise once replayed to outputs unlike eager's: cuBLASLt read 128 x 128
 # scales with a padded leading dimension (test_fp8_graph_cuda.py); those
 # shapes now take the fallback, and the test passes on an H100.

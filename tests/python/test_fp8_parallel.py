@@ -61,6 +61,8 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
             results["fsdp"] = {r: _fsdp_steps(rank, world, r) for r in RECIPES}
         if "dcp" in extras:
             results["dcp"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint")
+        if "graphs" in extras:
+            results["graphs"] = _reduce_overhead(rank, world)
         torch.save(_cpu(results), f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -133,6 +135,37 @@ def _fp8_gather(rank, world):
                 par._all_gather = original
             out[fp8, compiled]["gathers"] = list(gathers)
     return out
+
+
+def _reduce_overhead(rank, world, steps=3):
+    """The tensorwise sequence-parallel MLP (FP8 all-gather) compiled with
+    mode="reduce-overhead" (CUDA graphs, the collectives inside them) and
+    eagerly, on the same inputs: each step's y, dx and both weights'
+    gradients, and the number of CUDA-graph skips."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch._dynamo.reset()
+        up, down, x, dy = (t.to(DEV) for t in _layers(torch.bfloat16))
+        pg = dist.group.WORLD
+        t_up = Fp8Linear.from_linear(up, "tensorwise", parallel="column", process_group=pg, sequence_parallel=True)
+        t_down = Fp8Linear.from_linear(down, "tensorwise", parallel="row", process_group=pg, sequence_parallel=True)
+        block = lambda t: t_down(t_up(t))  # noqa: E731
+        if compiled:
+            block = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+        outs = []
+        for i in range(steps):
+            xi = (x.chunk(world)[rank] * (1 + i)).clone().requires_grad_()
+            y = block(xi)
+            y.backward(dy.chunk(world)[rank])
+            outs.append([y.detach().clone(), xi.grad.clone(), t_up.weight.grad.clone(), t_down.weight.grad.clone()])
+            t_up.weight.grad = t_down.weight.grad = None
+        return outs
+
+    counters.clear()
+    compiled = run(True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    return {"compiled": compiled, "eager": run(False), "skips": skips}
 
 
 def _fsdp_model():
@@ -401,7 +434,7 @@ def test_cuda_nccl_every_case_on_two_gpus():
     # FP8's rounding).
     cases = [(r, sp, False) for r in RECIPES for sp in (False, True)] + [("tensorwise", True, True),
                                                                           ("blockwise", False, True)]
-    results = spawn(cases, ("gather", "fsdp", "dcp"), device="cuda")
+    results = spawn(cases, ("gather", "fsdp", "dcp", "graphs"), device="cuda")
     for case in cases:
         _check(results, case)
     for compiled in (False, True):
@@ -420,3 +453,11 @@ def test_cuda_nccl_every_case_on_two_gpus():
         for key, saved in dcp_out["saved"].items():
             assert saved.abs().sum() > 0 and torch.equal(dcp_out["loaded"][key], saved)
         assert torch.equal(dcp_out["fresh"]["weight"], dcp_out["model"]["weight"])
+    # reduce-overhead: the collectives captured in the CUDA graphs, no skip,
+    # every step bitwise the eager step.
+    for r in results:
+        g = r["graphs"]
+        assert g["skips"] == 0, g["skips"]
+        for step, (got, want) in enumerate(zip(g["compiled"], g["eager"])):
+            for name, a, b in zip(("y", "dx", "up.weight.grad", "down.weight.grad"), got, want):
+                assert torch.equal(a, b), (step, name)
