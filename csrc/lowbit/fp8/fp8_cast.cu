@@ -12,7 +12,9 @@
 //
 // Tensor scaling with a computed scale and row scaling need the whole
 // tensor's (row's, column's) amax before the first code: an amax pass over
-// the same tiles runs first. A given scale (delayed scaling) and block
+// the same tiles runs first (row scaling: then a small kernel turns each
+// row's and column's amax into its scale and reciprocal, once rather than
+// in every tile). A given scale (delayed scaling) and block
 // scaling need one pass, which also makes the amax.
 // The element rule's division goes through the scale's reciprocal
 // (div_by_scale in fp8_format.h, exact on the scales it is used for).
@@ -271,8 +273,8 @@ struct CastParams {
   bool vec_out;  // data rows take 8-byte stores (cols % 8 == 0)
   bool vec_t;    // data_t rows take 16-byte stores (rows % 16 == 0, aligned)
   const float* given_scale;
-  const unsigned* row_amax;  // kRow: [rows] and [cols], from amax_kernel
-  const unsigned* col_amax;
+  const float2* row_div;  // kRow: [rows] and [cols] (scale, reciprocal), from row_scales_kernel
+  const float2* col_div;
   uint8_t* data;
   float* scale;
   bool transpose;
@@ -286,6 +288,7 @@ struct Divisor {
   float s = 1.f, r = 1.f;
   Divisor() = default;
   __device__ explicit Divisor(float scale) : s(scale), r(nvfp4::reciprocal_rn(scale)) {}
+  __device__ explicit Divisor(float2 sr) : s(sr.x), r(sr.y) {}
 };
 
 // Codes of a and b in the low and high byte. kFast: the scale takes the
@@ -317,21 +320,17 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&r)[4], uint32_t* w
 // transpose of the row codes where data and data_t share the scale, else
 // codes of their own.
 template <typename T, Format F, bool kFast>
-__device__ __forceinline__ void encode_tile(const TileValues<T>& v, const float (&rs)[kPasses][kGroupRows],
-                                            const float (&cs)[kVec], const Tile& t, const CastParams& p,
+__device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Divisor (&rd)[kPasses][kGroupRows],
+                                            const Divisor (&dc)[kVec], const Tile& t, const CastParams& p,
                                             uint32_t (&words)[kPasses][kVec]) {
   const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
   const int64_t j0 = t.col0 + t.col(0);
-  Divisor dc[kVec];
-  if (p.transpose && !same_scale)
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) dc[e] = Divisor(cs[e]);
 #pragma unroll
   for (int a = 0; a < kPasses; ++a) {
     uint32_t lo[kGroupRows], hi[kGroupRows];  // codes of columns 0-3 and 4-7, per row
 #pragma unroll
     for (int q = 0; q < kGroupRows; ++q) {
-      const Divisor d(rs[a][q]);
+      const Divisor& d = rd[a][q];
       auto f = [&](int e) { return to_float(v[a][q][e]); };
       lo[q] = encode2<F, kFast>(f(0), f(1), d) | encode2<F, kFast>(f(2), f(3), d) << 16;
       hi[q] = encode2<F, kFast>(f(4), f(5), d) | encode2<F, kFast>(f(6), f(7), d) << 16;
@@ -374,10 +373,11 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   const int64_t kb = ceil_div128(p.cols), mb = ceil_div128(p.rows);
   const bool first_tile = blockIdx.x == 0 && blockIdx.y == 0;
 
-  // Every scale this thread's elements need: per row (rs) and per column (cs).
-  // A NaN element makes its group's computed scale NaN, which takes the
-  // element rule (Divisor::fast is false); only a given scale needs `clean`.
-  float rs[kPasses][kGroupRows], cs[kVec];
+  // Every scale (and its reciprocal) this thread's elements need: per row
+  // (rd) and per column (cd; the transposed copy's where its scales are
+  // not data's). A NaN element makes its group's computed scale NaN, which
+  // takes the element rule; only a given scale needs `clean`.
+  Divisor rd[kPasses][kGroupRows], cd[kVec];
   bool clean = true;
   switch (p.scaling) {
     case Scaling::kTensor: {
@@ -391,29 +391,28 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
       } else {
         s = scale_of(*p.amax);
       }
-      for (auto& r : rs) for (float& e : r) e = s;
-      for (float& e : cs) e = s;
+      const Divisor d(s);
+      for (auto& r : rd) for (Divisor& e : r) e = d;
       if (first_tile && threadIdx.x == 0) {
         *p.scale = s;
         if (p.transpose) *p.scale_t = s;
       }
       break;
     }
-    case Scaling::kRow:
+    case Scaling::kRow:  // scales (written out already) and reciprocals from row_scales_kernel
 #pragma unroll
       for (int a = 0; a < kPasses; ++a)
 #pragma unroll
         for (int q = 0; q < kGroupRows; ++q) {
           const int64_t i = t.row0 + t.row(a, q);
-          rs[a][q] = i < p.rows ? scale_of(__uint_as_float(p.row_amax[i])) : 1.f;
-          if (blockIdx.y == 0 && t.cg == 0 && i < p.rows) p.scale[i] = rs[a][q];
+          if (i < p.rows) rd[a][q] = Divisor(p.row_div[i]);
         }
+      if (p.transpose)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const int64_t j = t.col0 + t.col(e);
-        cs[e] = j < p.cols ? scale_of(__uint_as_float(p.col_amax[j])) : 1.f;
-        if (p.transpose && blockIdx.x == 0 && t.g == 0 && j < p.cols) p.scale_t[j] = cs[e];
-      }
+        for (int e = 0; e < kVec; ++e) {
+          const int64_t j = t.col0 + t.col(e);
+          if (j < p.cols) cd[e] = Divisor(p.col_div[j]);
+        }
       break;
     case Scaling::kBlock: {
       const float m = warp_amax(thread_amax(v));
@@ -425,17 +424,19 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
           float r = 0.f;
 #pragma unroll
           for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[a][q][e]));
-          rs[a][q] = scale_of(row_amax(r));
+          const float s = scale_of(row_amax(r));
+          rd[a][q] = Divisor(s);
           const int64_t i = t.row0 + t.row(a, q);
-          if (t.cg == 0 && i < p.rows) p.scale[i * kb + blockIdx.y] = rs[a][q];
+          if (t.cg == 0 && i < p.rows) p.scale[i * kb + blockIdx.y] = s;
         }
       float c[kVec];
       tile_column_amaxes(v, t, red, col_bits, c);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        cs[e] = scale_of(c[e]);
+        const float s = scale_of(c[e]);
+        if (p.transpose) cd[e] = Divisor(s);
         const int64_t j = t.col0 + t.col(e);
-        if (p.transpose && t.g == 0 && j < p.cols) p.scale_t[j * mb + blockIdx.x] = cs[e];
+        if (p.transpose && t.g == 0 && j < p.cols) p.scale_t[j * mb + blockIdx.x] = s;
       }
       break;
     }
@@ -443,8 +444,8 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
       const float m = tile_amax(thread_amax(v), red[0]);
       if (threadIdx.x == 0) atomic_amax(p.amax, m);
       const float s = scale_of(m);
-      for (auto& r : rs) for (float& e : r) e = s;
-      for (float& e : cs) e = s;
+      const Divisor d(s);
+      for (auto& r : rd) for (Divisor& e : r) e = d;
       if (threadIdx.x == 0) {
         p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = s;
         if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = s;
@@ -458,18 +459,20 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   // reciprocal division with paired conversions, or the element rule for
   // extreme scales and NaN. A NaN element makes its group's computed scale
   // NaN, which fails fast_division_ok; only a given scale needs `clean`.
+  // The transposed copy's column scales are data's where they are shared
+  // (tensor, block2d) and unused where there is no copy (cd stays 1).
   bool fast = clean;
 #pragma unroll
   for (int a = 0; a < kPasses; ++a)
 #pragma unroll
-    for (int q = 0; q < kGroupRows; ++q) fast = fast && fast_division_ok(rs[a][q]);
+    for (int q = 0; q < kGroupRows; ++q) fast = fast && fast_division_ok(rd[a][q].s);
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) fast = fast && (!p.transpose || fast_division_ok(cs[e]));
+  for (int e = 0; e < kVec; ++e) fast = fast && fast_division_ok(cd[e].s);
   uint32_t words[kPasses][kVec];
   if (fast) {
-    encode_tile<T, F, true>(v, rs, cs, t, p, words);
+    encode_tile<T, F, true>(v, rd, cd, t, p, words);
   } else {
-    encode_tile<T, F, false>(v, rs, cs, t, p, words);
+    encode_tile<T, F, false>(v, rd, cd, t, p, words);
   }
   if (!p.transpose) return;
 
@@ -513,6 +516,22 @@ __global__ void scale_from_amax_kernel(ScaleArgs a) {
   if (i < a.n) a.out[i] = scale_from_amax(a.amax[i], a.fmax, a.margin, a.pow2);
 }
 
+// Row scaling, between the amax pass and the cast: each row's and column's
+// scale from its amax, written out (scale, and scale_t with the transposed
+// copy) and kept with its reciprocal for the cast ([rows] then [cols]).
+__global__ void row_scales_kernel(const unsigned* amax, int64_t rows, int64_t cols, float fmax, bool pow2,
+                                  float* scale, float* scale_t, float2* div) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows + cols) return;
+  const float s = scale_from_amax(__uint_as_float(amax[i]), fmax, 0, pow2);
+  div[i] = make_float2(s, nvfp4::reciprocal_rn(s));
+  if (i < rows) {
+    scale[i] = s;
+  } else if (scale_t != nullptr) {
+    scale_t[i - rows] = s;
+  }
+}
+
 int64_t scale_count(const CastArgs& a, bool transposed) {
   const int64_t rows = transposed ? a.cols : a.rows, cols = transposed ? a.rows : a.cols;
   switch (a.scaling) {
@@ -541,12 +560,14 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
                vec_in, a.cols % kVec == 0 && aligned(a.data, 8), a.rows % 16 == 0 && aligned(a.data_t, 16),
                a.given_scale, nullptr, nullptr, a.data, a.scale, a.transpose, a.data_t, a.scale_t, a.amax};
   if ((a.scaling == Scaling::kTensor && a.given_scale == nullptr) || a.scaling == Scaling::kRow) {
+    float2* div = nullptr;  // kRow: workspace [rows + cols] (scale, reciprocal), then the amaxes
     unsigned* row_amax = nullptr;
     unsigned* col_amax = nullptr;
     if (a.scaling == Scaling::kRow) {
-      row_amax = static_cast<unsigned*>(a.workspace);
+      div = static_cast<float2*>(a.workspace);
+      row_amax = reinterpret_cast<unsigned*>(div + a.rows + a.cols);
       col_amax = row_amax + a.rows;
-      cudaError_t err = cudaMemsetAsync(row_amax, 0, cast_workspace_bytes(a), stream);
+      cudaError_t err = cudaMemsetAsync(row_amax, 0, (a.rows + a.cols) * sizeof(unsigned), stream);
       if (err != cudaSuccess) return err;
     }
     if (a.scaling == Scaling::kTensor && aligned(x, 16)) {
@@ -566,8 +587,15 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    p.row_amax = row_amax;
-    p.col_amax = col_amax;
+    if (a.scaling == Scaling::kRow) {
+      const int64_t n = a.rows + a.cols;
+      row_scales_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(
+          row_amax, a.rows, a.cols, format_max(F), a.pow2, a.scale, a.transpose ? a.scale_t : nullptr, div);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      p.row_div = div;
+      p.col_div = div + a.rows;
+    }
   }
   cast_kernel<T, F><<<grid, kThreads, 0, stream>>>(x, p);
   return cudaGetLastError();

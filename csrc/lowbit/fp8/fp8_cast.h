@@ -41,9 +41,10 @@ struct CastArgs {
 
 LOWBIT_HD int64_t ceil_div128(int64_t v) { return (v + kBlockSize - 1) / kBlockSize; }
 
-// Device workspace the CUDA cast needs (0: none).
+// Device workspace the CUDA cast needs (0: none). Row scaling: each row's
+// and column's scale and its reciprocal (2 floats), then their amaxes.
 inline int64_t cast_workspace_bytes(const CastArgs& a) {
-  return a.scaling == Scaling::kRow ? (a.rows + a.cols) * int64_t(sizeof(unsigned)) : 0;
+  return a.scaling == Scaling::kRow ? (a.rows + a.cols) * int64_t(3 * sizeof(float)) : 0;
 }
 
 // out[i] = scale_from_amax(amax[i], fmax, margin, pow2), i < n: the delayed
