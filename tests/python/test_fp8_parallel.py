@@ -13,7 +13,9 @@ bound: the parallel run's error against float64 arithmetic on the original
 missing or doubled collective is an error of the size of the result."""
 
 import copy
+import datetime
 import tempfile
+import time
 
 import pytest
 import torch
@@ -49,8 +51,10 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
     if device == "cuda":
         torch.cuda.set_device(rank)
         DEV = torch.device("cuda", rank)
+    # A collective that one rank never joins fails after the timeout
+    # instead of hanging (spawn's deadline stops the test either way).
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=SPAWN_DEADLINE_S / 2))
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
         if "errors" in extras:
@@ -68,12 +72,22 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
         dist.destroy_process_group()
 
 
+SPAWN_DEADLINE_S = 300  # a spawn's workers still running after this are stopped, and the test fails
+
+
 def spawn(cases, extras=(), device="cpu"):
     """Runs the MLP cases (and the extras: "errors", "gather", "fsdp",
-    "dcp") on WORLD processes, on the CPU (gloo) or one GPU each (NCCL);
-    returns each rank's results, on the CPU."""
+    "dcp", "graphs") on WORLD processes, on the CPU (gloo) or one GPU each
+    (NCCL); returns each rank's results, on the CPU."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras, device), nprocs=WORLD)
+        ctx = mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras, device), nprocs=WORLD, join=False)
+        deadline = time.monotonic() + SPAWN_DEADLINE_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"the {WORLD} workers ({device}) still ran after {SPAWN_DEADLINE_S} s: a collective "
+                            f"that not every rank joined, or a hang; cases {cases}, extras {extras}")
         return [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
 
 
