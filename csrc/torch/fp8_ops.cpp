@@ -308,6 +308,14 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
   } else {
     check_float_input(x, kForward, "x");
   }
+  if (e.x_amax.has_value()) {
+    TORCH_CHECK_VALUE(e.x_scale.has_value() && r.kind == Recipe::Kind::kDelayed, "lowbit.", kForward,
+                      ": argument 'x_amax' is the amax of an FP8 'x' for the delayed history: it needs 'x_scale' and "
+                      "recipe \"delayed\"");
+    check_dtype(*e.x_amax, kForward, "x_amax", {at::kFloat});
+    check_same_device(*e.x_amax, x, kForward, "x_amax", "x");
+    check_shape(*e.x_amax, c10::SymDimVector{}, kForward, "x_amax");
+  }
   const at::ScalarType od = forward_out_dtype(x, e);
   TORCH_CHECK_TYPE(od == at::kBFloat16 || od == at::kHalf || od == at::kFloat, "lowbit.", kForward,
                    ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", od);
@@ -452,15 +460,29 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
   if (delayed) {
     // Only the tensors cast here record an amax: a cached W's amax was
     // recorded by the cast that filled the cache (once per refresh).
-    if (!x_fp8 && !w_cached) {
-      record_amax(amax_history, 0, at::stack({cx.amax, cw.amax}));
-    } else if (!x_fp8) {
-      record_amax(amax_history, 0, cx.amax.view({1}));
+    // An FP8 x records the amax its caster passed (x_amax), if any.
+    c10::optional<at::Tensor> x_amax = x_fp8 ? e.x_amax : c10::optional<at::Tensor>(cx.amax);
+    if (x_amax.has_value() && !w_cached) {
+      record_amax(amax_history, 0, at::stack({*x_amax, cw.amax}));
+    } else if (x_amax.has_value()) {
+      record_amax(amax_history, 0, x_amax->view({1}));
     } else if (!w_cached) {
       record_amax(amax_history, 1, cw.amax.view({1}));
     }
   }
   return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t, y_scale};
+}
+
+at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int64_t row,
+                         c10::string_view amax_compute, int64_t margin, bool pow2, c10::string_view dtype) {
+  constexpr const char* kOp = "fp8_delayed_scale";
+  const Recipe r = parse_recipe("delayed", "e4m3", amax_compute, margin, pow2, kOp);
+  const Format f = parse_format(dtype, kOp, "dtype");
+  check_history(amax_history, amax_history, r, kOp);
+  TORCH_CHECK_VALUE(row >= 0 && row < kHistoryRows, "lowbit.", kOp, ": argument 'row' must be 0 (x), 1 (W) or 2 (dy), got ",
+                    row);
+  if (amax_history.is_meta()) return at::empty({}, amax_history.options());
+  return delayed_scales(be, amax_history, row, 1, r, f).reshape({});
 }
 
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
@@ -568,10 +590,11 @@ LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, cons
                              c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                              bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                              const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                             c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
+                             c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
+                             const c10::optional<at::Tensor>& x_amax) {
   return linear_forward(kCpuBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum});
 }
 
 LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -579,9 +602,10 @@ LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, con
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
+                             const c10::optional<at::Tensor>& x_amax) {
   const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
-  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum};
+  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum};
   check_linear_forward(x, weight, bias, amax_history, r, save_x_t, save_w_t, e);
   return empty_forward_outputs(x, weight, r, save_x_t, save_w_t, e);
 }
@@ -620,6 +644,12 @@ LinearBackwardOut backward_meta(const at::Tensor& dy, const at::Tensor& x_t, con
   return empty_backward_outputs(dy, x_t, w_t, weight_dtype, bias_dtype, compute_dx, compute_dw);
 }
 
+// The Meta kernel returns before the backend is used.
+at::Tensor delayed_scale_cpu(const at::Tensor& amax_history, int64_t row, c10::string_view amax_compute,
+                             int64_t margin, bool pow2_scales, c10::string_view dtype) {
+  return delayed_scale(kCpuBackend, amax_history, row, amax_compute, margin, pow2_scales, dtype);
+}
+
 }  // namespace
 }  // namespace lowbit::ops::fp8ops
 
@@ -629,6 +659,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cpu);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cpu);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cpu);
+  m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
@@ -637,4 +668,5 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_meta);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_meta);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_meta);
+  m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
 }

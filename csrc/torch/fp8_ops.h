@@ -106,6 +106,7 @@ using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tens
 // whether y leaves in FP8, and whether the GEMM accumulates fast.
 struct ForwardExtras {
   c10::optional<at::Tensor> w_fp8, w_fp8_scale, x_scale;
+  c10::optional<at::Tensor> x_amax;  // with x_scale, delayed: x's amax to record
   c10::optional<at::ScalarType> out_dtype;
   bool fp8_out = false;
   bool fast_accum = false;
@@ -117,6 +118,9 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
                                 c10::string_view recipe, c10::string_view grad_dtype, c10::string_view amax_compute,
                                 int64_t margin, bool pow2_scales, bool save_x_t, bool save_w_t,
                                 const ForwardExtras& extras);
+// fp8_delayed_scale: history row `row`'s delayed scale, [] float32.
+at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int64_t row,
+                         c10::string_view amax_compute, int64_t margin, bool pow2, c10::string_view dtype);
 // fp8_linear_cache_weight: W cast into the cache buffers, in place.
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
                          const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,

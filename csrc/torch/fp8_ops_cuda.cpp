@@ -145,12 +145,13 @@ LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, con
                               c10::string_view amax_compute, int64_t margin, bool pow2_scales, bool save_x_t,
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
-                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum) {
+                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
+                             const c10::optional<at::Tensor>& x_amax) {
   check_supported_gpu(x, "fp8_linear_forward");
   c10::cuda::CUDAGuard guard(x.device());
   return linear_forward(kCudaBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, out_dtype, fp8_out, fast_accum});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum});
 }
 
 void cache_weight_cuda(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,
@@ -173,6 +174,12 @@ LinearBackwardOut backward_cuda(const at::Tensor& dy, const at::Tensor& x_t, con
                          amax_compute, margin, pow2_scales, weight_dtype, bias_dtype, compute_dx, compute_dw);
 }
 
+at::Tensor delayed_scale_cuda(const at::Tensor& amax_history, int64_t row, c10::string_view amax_compute,
+                              int64_t margin, bool pow2_scales, c10::string_view dtype) {
+  c10::cuda::CUDAGuard guard(amax_history.device());
+  return delayed_scale(kCudaBackend, amax_history, row, amax_compute, margin, pow2_scales, dtype);
+}
+
 }  // namespace
 }  // namespace lowbit::ops::fp8ops
 
@@ -182,4 +189,5 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("fp8_linear_forward", &lowbit::ops::fp8ops::forward_cuda);
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cuda);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cuda);
+  m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cuda);
 }

@@ -161,7 +161,14 @@ TORCH_LIBRARY(lowbit, m) {
   // layer before; save_x_t must be False; out_dtype required); out_dtype:
   // y's dtype (default x's); fp8_out: y leaves as FP8 E4M3 under the
   // recipe's activation scaling, current scaling, its scales the sixth
-  // output (else [0]); fast_accum: as fp8_gemm's, for the forward GEMM.
+  // output (else [0]); fast_accum: as fp8_gemm's, for the forward GEMM;
+  // x_amax ([] float32, with x_scale, "delayed" only): the amax of the
+  // high-precision x the FP8 x was cast from, recorded in the history's x
+  // row as a cast here would record it (the FP8 all-gather of
+  // lowbit.fp8_parallel casts before the op).
+  // fp8_delayed_scale: the scale "delayed" gives history row `row` ([],
+  // float32) before the op's next cast: the row reduced by amax_compute,
+  // then scale_from_amax with the format's fmax, margin and pow2.
   // fp8_linear_cache_weight: W's cast (data [N, K], scales, the transposed
   // copy [K, N] and its scales) written in place into the cache buffers,
   // contiguous, of the shapes fp8_cast gives; "delayed": W's scale from row
@@ -169,8 +176,10 @@ TORCH_LIBRARY(lowbit, m) {
   m.def("fp8_linear_forward(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) amax_history, str recipe, "
         "str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, bool pow2_scales=False, "
         "bool save_x_t=True, bool save_w_t=True, Tensor? w_fp8=None, Tensor? w_fp8_scale=None, "
-        "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False, bool fast_accum=False) -> (Tensor, "
-        "Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False, bool fast_accum=False, "
+        "Tensor? x_amax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_delayed_scale(Tensor amax_history, int row, str amax_compute=\"max\", int margin=0, "
+        "bool pow2_scales=False, str dtype=\"e4m3\") -> Tensor");
   m.def("fp8_linear_cache_weight(Tensor weight, Tensor(a!) amax_history, Tensor(b!) w_data, Tensor(c!) w_scale, "
         "Tensor(d!) w_t_data, Tensor(e!) w_t_scale, str recipe, str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False) -> ()");

@@ -22,19 +22,21 @@ ranks in the group and M the tokens (x's leading dimensions flattened):
   gradient, summed over a rank's tokens, is all-reduced so every rank holds
   the whole sum.
 
-FP8 all-gather (``fp8_all_gather``, tensorwise recipe): the
+FP8 all-gather (``fp8_all_gather``, tensorwise and delayed recipes): the
 column-parallel, sequence-parallel layer casts its shard of x with one scale
-for the whole x (the ranks' amaxes all-reduced by max, then the scale rule
-of fp8_cast) and all-gathers the FP8 codes, half the bytes of BF16; the
-backward transposes the gathered codes for the weight gradient. The codes
-equal those of casting the gathered BF16 x, so the results are bitwise the
-BF16 all-gather's. The other recipes gather BF16: rowwise's and blockwise's
-weight gradient scales x^T along the tokens, across the ranks' shards, and
-delayed's history is recorded inside the op from the x it casts.
+for the whole x and all-gathers the FP8 codes, half the bytes of BF16; the
+backward transposes the gathered codes for the weight gradient. Tensorwise:
+the scale from the ranks' amaxes all-reduced by max, then the scale rule of
+fp8_cast. Delayed: the scale from the history's x row
+(``lowbit::fp8_delayed_scale``), the same on every rank, and the ranks'
+amaxes all-reduced by max and recorded in that row by the forward op
+(``x_amax``), as a cast of the whole x would record it. Either way the codes
+equal those of casting the gathered BF16 x, so the results and the history
+are bitwise the BF16 all-gather's. Rowwise and blockwise gather BF16: their
+weight gradient scales x^T along the tokens, across the ranks' shards, so
+x^T cannot be the gathered codes transposed.
 
-What is not here yet (issue 41): the FP8 all-gather for delayed scaling,
-FSDP2 with FP8 weight all-gathers, distributed checkpoints of the FP8
-state, and runs on several GPUs.
+What is not here yet (issue 41): FSDP2 with FP8 weight all-gathers.
 """
 
 from __future__ import annotations
@@ -182,31 +184,43 @@ def parallel_output(y: Tensor, bias: Tensor | None, parallel: str, group: str, s
     return y if bias is None else y + bias  # dy is whole on every rank, and so is the bias gradient
 
 
+FP8_GATHER_RECIPES = ("tensorwise", "delayed")
+
+
 class _Fp8GatherLinear(torch.autograd.Function):
-    """The tensorwise column-parallel, sequence-parallel layer with its x
-    all-gathered in FP8 (module docstring): y [M, N / tp] from this rank's
-    x [M / tp, K]."""
+    """The tensorwise or delayed column-parallel, sequence-parallel layer
+    with its x all-gathered in FP8 (module docstring): y [M, N / tp] from
+    this rank's x [M / tp, K]."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, state, recipe_args, fast_accum, group, needs_dx, needs_dw):
         ops = torch.ops.lowbit
-        pow2 = recipe_args[4]
-        # The whole x's amax, then its scale by fp8_cast's own rule (the cast
-        # of a one-element tensor holding it).
-        if x.numel():  # max |x| from the extremes: one read of x, no |x| temporary (NaN propagates)
-            lo, hi = torch.aminmax(x)
-            amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
+        name, _, amax_compute, margin, pow2 = recipe_args
+        x = x.contiguous()
+        x_amax = None
+        if name == "delayed":
+            # The scale is the history's (synchronized across ranks); the
+            # whole x's amax goes into the history through the op.
+            scale = ops.fp8_delayed_scale(state, 0, amax_compute, margin, pow2, "e4m3")
+            codes, _, _, _, local = ops.fp8_cast(x, "tensor", "e4m3", False, scale, pow2)
+            x_amax = _waited(_fc().all_reduce(local.reshape(1), "max", group)).reshape(())
         else:
-            amax = x.new_zeros(1, 1, dtype=torch.float32)
-        amax = _waited(_fc().all_reduce(amax, "max", group))
-        scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, pow2)[1]
-        codes = ops.fp8_cast(x.contiguous(), "tensor", "e4m3", False, scale, pow2)[0]
+            # The whole x's amax, then its scale by fp8_cast's own rule (the
+            # cast of a one-element tensor holding it).
+            if x.numel():  # max |x| from the extremes: one read of x, no |x| temporary (NaN propagates)
+                lo, hi = torch.aminmax(x)
+                amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
+            else:
+                amax = x.new_zeros(1, 1, dtype=torch.float32)
+            amax = _waited(_fc().all_reduce(amax, "max", group))
+            scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, pow2)[1]
+            codes = ops.fp8_cast(x, "tensor", "e4m3", False, scale, pow2)[0]
         # Gathered as bytes: collectives move them whatever the backend
         # makes of FP8 dtypes.
         gathered = _all_gather(codes.view(torch.uint8), group).view(torch.float8_e4m3fn)
         y, _, _, w_t, w_t_scale, _ = ops.fp8_linear_forward(
             gathered, weight, bias, state, *recipe_args, save_x_t=False, save_w_t=needs_dx, x_scale=scale,
-            out_dtype=x.dtype, fast_accum=fast_accum)
+            out_dtype=x.dtype, fast_accum=fast_accum, x_amax=x_amax)
         # Tensor scaling: x^T's codes are x's, transposed.
         x_t = gathered.t().contiguous() if needs_dw else gathered.new_empty(0)
         ctx.save_for_backward(x_t, scale, w_t, w_t_scale)
@@ -225,8 +239,8 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
 
 def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str) -> Tensor:
-    """y = all_gather(x) W^T + b with x all-gathered in FP8 (tensorwise
-    recipe; module docstring). x [..., K]: this rank's tokens."""
+    """y = all_gather(x) W^T + b with x all-gathered in FP8 (tensorwise or
+    delayed recipe; module docstring). x [..., K]: this rank's tokens."""
     from .fp8 import _recipe_args
 
     x2 = x.reshape(-1, x.shape[-1])

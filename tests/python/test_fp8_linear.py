@@ -360,3 +360,62 @@ def test_cuda_graph_forward_backward_bitwise_equal_to_eager(recipe):
         for p, q in zip(model.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad)
         assert torch.equal(model.s1, eager.s1) and torch.equal(model.s2, eager.s2)
+
+
+@pytest.mark.parametrize("amax_compute,margin,pow2", [("max", 0, False), ("most_recent", 1, False), ("max", -2, True)])
+def test_delayed_scale_is_the_scale_the_forward_casts_with(amax_compute, margin, pow2):
+    # lowbit::fp8_delayed_scale (what an FP8 all-gather casts x with before
+    # the op) gives the scales the forward op's casts use: x's and W's,
+    # returned with their transposed copies.
+    recipe = Fp8Recipe("delayed", amax_history_len=4, amax_compute=amax_compute, margin=margin, pow2_scales=pow2)
+    x, w, b, _ = data((16,), 64, 32, ("delayed scale", amax_compute, margin, pow2))
+    history = torch.rand(3, 4, generator=seeded("history", margin)) * 50
+    before = history.clone()
+    _, _, x_t_scale, _, w_t_scale, _ = torch.ops.lowbit.fp8_linear_forward(
+        x, w.bfloat16(), b.bfloat16(), history, *lowbit.fp8._recipe_args(recipe))
+    args = (amax_compute, margin, pow2, "e4m3")
+    assert torch.equal(torch.ops.lowbit.fp8_delayed_scale(before, 0, *args), x_t_scale)
+    assert torch.equal(torch.ops.lowbit.fp8_delayed_scale(before, 1, *args), w_t_scale)
+    assert torch.ops.lowbit.fp8_delayed_scale(before, 2, *args).shape == ()
+    assert torch.ops.lowbit.fp8_delayed_scale(torch.zeros(3, 4), 0, *args) == 1.0  # no history yet
+    torch.library.opcheck(torch.ops.lowbit.fp8_delayed_scale.default, (before, 2, *args))
+
+
+def test_fp8_x_records_the_given_amax_in_the_delayed_history():
+    # An FP8 x (x_scale) with x_amax: the history's x row takes x_amax, as
+    # the cast of the high-precision x would have recorded it; without
+    # x_amax only W's row moves.
+    recipe = Fp8Recipe("delayed", amax_history_len=3)
+    x, w, _, _ = data((8,), 32, 64, ("fp8 x amax",))
+    history = torch.rand(3, 3, generator=seeded("fp8 x history")) + 1
+    want = history.clone()
+    torch.ops.lowbit.fp8_linear_forward(x, w, None, want, *lowbit.fp8._recipe_args(recipe), save_x_t=False,
+                                        save_w_t=False)
+    scale = torch.ops.lowbit.fp8_delayed_scale(history, 0)
+    codes = lowbit.fp8_cast(x, "tensor", scale=scale)
+    got = history.clone()
+    torch.ops.lowbit.fp8_linear_forward(codes.data, w, None, got, *lowbit.fp8._recipe_args(recipe), save_x_t=False,
+                                        save_w_t=False, x_scale=scale, out_dtype=x.dtype, x_amax=codes.amax)
+    assert torch.equal(got, want)
+    alone = history.clone()
+    torch.ops.lowbit.fp8_linear_forward(codes.data, w, None, alone, *lowbit.fp8._recipe_args(recipe), save_x_t=False,
+                                        save_w_t=False, x_scale=scale, out_dtype=x.dtype)
+    assert torch.equal(alone[0], history[0]) and torch.equal(alone[1], want[1])
+
+
+def test_delayed_scale_and_x_amax_bad_inputs_raise_clear_errors():
+    h = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match=r"argument 'row' must be 0 \(x\), 1 \(W\) or 2 \(dy\), got 3"):
+        torch.ops.lowbit.fp8_delayed_scale(h, 3)
+    with pytest.raises(ValueError, match=r"amax_history' must have shape \[3, L\]"):
+        torch.ops.lowbit.fp8_delayed_scale(torch.zeros(2, 4), 0)
+    with pytest.raises(ValueError, match="argument 'dtype'"):
+        torch.ops.lowbit.fp8_delayed_scale(h, 0, dtype="e3m4")
+    x, w, _, _ = data((8,), 32, 64, ("bad x amax",))
+    recipe_args = lowbit.fp8._recipe_args(Fp8Recipe("delayed", amax_history_len=4))
+    with pytest.raises(ValueError, match="'x_amax' is the amax of an FP8 'x' .* needs 'x_scale'"):
+        torch.ops.lowbit.fp8_linear_forward(x, w, None, h, *recipe_args, x_amax=torch.tensor(1.0))
+    codes = lowbit.fp8_cast(x, "tensor")
+    with pytest.raises(ValueError, match="x_amax"):
+        torch.ops.lowbit.fp8_linear_forward(codes.data, w, None, h, *recipe_args, save_x_t=False, x_scale=codes.scale,
+                                            out_dtype=x.dtype, x_amax=torch.ones(2))

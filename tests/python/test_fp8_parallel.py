@@ -102,8 +102,11 @@ def _layers(dtype=torch.float32, seed=0):
     return up.to(dtype), down.to(dtype), x.to(dtype), dy.to(dtype)
 
 
-def _mlp(rank, world, recipe, sequence_parallel, compiled, fp8_all_gather=True, dtype=torch.float32):
-    """This rank's y, dx, dW and db of down(up(x)) split over the group."""
+def _mlp(rank, world, recipe, sequence_parallel, compiled, fp8_all_gather=True, dtype=torch.float32, steps=1):
+    """This rank's y, dx, dW and db of down(up(x)) split over the group
+    (after `steps` forward and backward passes, x scaled by the step number:
+    gradients accumulate, and a delayed history fills), and the layers'
+    FP8 states."""
     up, down, x, dy = (t.to(DEV) for t in _layers(dtype))
     pg = dist.group.WORLD
     t_up = Fp8Linear.from_linear(up, recipe, parallel="column", process_group=pg, sequence_parallel=sequence_parallel,
@@ -116,17 +119,24 @@ def _mlp(rank, world, recipe, sequence_parallel, compiled, fp8_all_gather=True, 
 
     if compiled:
         model = torch.compile(model, backend="aot_eager", fullgraph=True)
-    x_in = (x.chunk(world)[rank] if sequence_parallel else x).clone().requires_grad_()
-    y = model(x_in)
-    y.backward(dy.chunk(world)[rank] if sequence_parallel else dy)
+    for step in range(steps):
+        x_in = ((x.chunk(world)[rank] if sequence_parallel else x) * (1 + step)).requires_grad_()
+        y = model(x_in)
+        y.backward(dy.chunk(world)[rank] if sequence_parallel else dy)
     return {"y": y.detach(), "dx": x_in.grad, "up.weight": t_up.weight.grad, "up.bias": t_up.bias.grad,
-            "down.weight": t_down.weight.grad, "down.bias": t_down.bias.grad, "repr": repr(t_up)}
+            "down.weight": t_down.weight.grad, "down.bias": t_down.bias.grad, "repr": repr(t_up),
+            "up.state": t_up.fp8_state.clone(), "down.state": t_down.fp8_state.clone()}
+
+
+GATHER_RECIPES = ("tensorwise", "delayed")
+GATHER_KEYS = ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias", "up.state", "down.state")
 
 
 def _fp8_gather(rank, world):
-    """The tensorwise sequence-parallel MLP with x all-gathered in FP8 and in
-    BF16 (bf16 inputs), eagerly and compiled, and the bytes each all-gather
-    moved."""
+    """The tensorwise and delayed sequence-parallel MLP with x all-gathered
+    in FP8 and in BF16 (bf16 inputs), eagerly and compiled, three steps
+    (delayed: the scales from a filled history), and the bytes each
+    all-gather moved."""
     import lowbit.fp8_parallel as par
 
     gathers = []
@@ -137,17 +147,18 @@ def _fp8_gather(rank, world):
         return original(t, group)
 
     out = {}
-    for fp8 in (True, False):
-        for compiled in (False, True):
-            torch._dynamo.reset()
-            gathers.clear()
-            par._all_gather = original if compiled else spy  # a side effect Dynamo would refuse
-            try:
-                out[fp8, compiled] = _mlp(rank, world, "tensorwise", True, compiled, fp8_all_gather=fp8,
-                                          dtype=torch.bfloat16)
-            finally:
-                par._all_gather = original
-            out[fp8, compiled]["gathers"] = list(gathers)
+    for recipe in GATHER_RECIPES:
+        for fp8 in (True, False):
+            for compiled in (False, True):
+                torch._dynamo.reset()
+                gathers.clear()
+                par._all_gather = original if compiled else spy  # a side effect Dynamo would refuse
+                try:
+                    out[recipe, fp8, compiled] = _mlp(rank, world, recipe, True, compiled, fp8_all_gather=fp8,
+                                                      dtype=torch.bfloat16, steps=3)
+                finally:
+                    par._all_gather = original
+                out[recipe, fp8, compiled]["gathers"] = list(gathers)
     return out
 
 
@@ -362,19 +373,28 @@ def test_argument_errors_name_the_argument():
 
 @pytest.mark.slow
 def test_fp8_all_gather_moves_half_the_bytes_and_matches_bf16_bitwise():
-    # Tensorwise: the gathered codes are those the BF16 all-gather's cast
-    # would make, so every result is bitwise the same; the forward's x
-    # all-gather moves 1 byte per element instead of 2 (the row layer's
-    # backward all-gathers dy in BF16 either way).
-    results = [r["gather"] for r in spawn([], ("gather",))]
-    for compiled in (False, True):
-        for rank in range(WORLD):
-            fp8, bf16 = results[rank][True, compiled], results[rank][False, compiled]
-            for key in ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias"):
-                assert torch.equal(fp8[key], bf16[key]), (compiled, rank, key)
-            if not compiled:  # the bytes as the eager run's collectives saw them
-                x_fp8, x_bf16 = fp8["gathers"][0], bf16["gathers"][0]
-                assert x_fp8 == ("torch.uint8", M // WORLD * K) and x_bf16 == ("torch.bfloat16", 2 * M // WORLD * K)
+    # Tensorwise and delayed: the gathered codes are those the BF16
+    # all-gather's cast would make, so every result is bitwise the same, and
+    # so is the delayed history (the x row records the whole x's amax); the
+    # forward's x all-gather moves 1 byte per element instead of 2 (the row
+    # layer's backward all-gathers dy in BF16 either way).
+    _check_fp8_gather([r["gather"] for r in spawn([], ("gather",))])
+
+
+def _check_fp8_gather(results):
+    for recipe in GATHER_RECIPES:
+        for compiled in (False, True):
+            for rank in range(WORLD):
+                fp8, bf16 = results[rank][recipe, True, compiled], results[rank][recipe, False, compiled]
+                for key in GATHER_KEYS:
+                    assert torch.equal(fp8[key], bf16[key]), (recipe, compiled, rank, key)
+                if recipe == "delayed":  # three steps recorded, the same on both ranks
+                    assert (fp8["up.state"][:, :3] > 0).all(), fp8["up.state"]
+                    assert torch.equal(fp8["up.state"][0], results[1 - rank][recipe, True, compiled]["up.state"][0])
+                if not compiled:  # the bytes as the eager run's collectives saw them
+                    x_fp8, x_bf16 = fp8["gathers"][0], bf16["gathers"][0]
+                    assert x_fp8 == ("torch.uint8", M // WORLD * K), (recipe, x_fp8)
+                    assert x_bf16 == ("torch.bfloat16", 2 * M // WORLD * K), (recipe, x_bf16)
 
 
 @pytest.mark.slow
@@ -451,11 +471,7 @@ def test_cuda_nccl_every_case_on_two_gpus():
     results = spawn(cases, ("gather", "fsdp", "dcp", "graphs"), device="cuda")
     for case in cases:
         _check(results, case)
-    for compiled in (False, True):
-        for rank in range(WORLD):
-            fp8, bf16 = results[rank]["gather"][True, compiled], results[rank]["gather"][False, compiled]
-            for key in ("y", "dx", "up.weight", "up.bias", "down.weight", "down.bias"):
-                assert torch.equal(fp8[key], bf16[key]), (compiled, rank, key)
+    _check_fp8_gather([r["gather"] for r in results])
     exact = _single_process_steps(None, fp8=False)
     for recipe in RECIPES:
         got = results[0]["fsdp"][recipe]

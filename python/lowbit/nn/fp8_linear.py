@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..fp8_parallel import check_parallel, fp8_gather_linear, group_name, parallel_input, parallel_output, shard_of
+from ..fp8_parallel import (FP8_GATHER_RECIPES, check_parallel, fp8_gather_linear, group_name, parallel_input,
+                            parallel_output, shard_of)
 
 _OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_BUFFERS = ("fp8_weight", "fp8_weight_scale", "fp8_weight_t", "fp8_weight_t_scale")
@@ -179,8 +180,9 @@ class Fp8Linear(nn.Linear):
     shard. :meth:`from_linear` takes a whole ``nn.Linear`` and keeps this
     rank's part (a copy, not the original parameters). ``fp8_all_gather``
     (default on): a column-parallel, sequence-parallel layer under the
-    tensorwise recipe all-gathers x in FP8, half the bytes, with results
-    bitwise those of the BF16 all-gather (other recipes gather BF16)."""
+    tensorwise or delayed recipe all-gathers x in FP8, half the bytes, with
+    results (and history) bitwise those of the BF16 all-gather (rowwise and
+    blockwise gather BF16)."""
 
     def __init__(
         self,
@@ -293,10 +295,10 @@ class Fp8Linear(nn.Linear):
 
     def _gathers_fp8(self, x, is_first_microbatch) -> bool:
         """Whether this call all-gathers x in FP8 (see fp8_all_gather): the
-        tensorwise column-parallel, sequence-parallel layer casting W on
-        this call, in FP8 (no fallback, enough tokens)."""
+        tensorwise or delayed column-parallel, sequence-parallel layer
+        casting W on this call, in FP8 (no fallback, enough tokens)."""
         if not (self.fp8_all_gather and self.parallel == "column" and self.sequence_parallel
-                and self.recipe.name == "tensorwise"):
+                and self.recipe.name in FP8_GATHER_RECIPES):
             return False
         if is_first_microbatch is None:
             is_first_microbatch = self.is_first_microbatch
