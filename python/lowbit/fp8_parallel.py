@@ -152,6 +152,26 @@ def check_parallel(parallel, process_group, sequence_parallel: bool, in_features
     return tp
 
 
+# The device types each backend's collectives take (a group made with
+# backend="cpu:gloo,cuda:nccl" names both).
+_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "ucc": ("cpu", "cuda"), "mpi": ("cpu", "cuda")}
+
+
+def check_group_device(process_group, device: torch.device, who: str = "Fp8Linear") -> None:
+    """A clear error where the group's backend cannot run collectives on
+    tensors of ``device`` (e.g. an NCCL group with CPU tensors), instead of
+    the backend's own error from inside a collective."""
+    backend = str(dist.get_backend(process_group)).lower()
+    takes = set()
+    for part in backend.split(","):
+        dev, _, name = part.rpartition(":")
+        takes.update((dev,) if dev else _BACKEND_DEVICES.get(name, ("cpu", "cuda")))
+    if device.type not in takes:
+        raise ValueError(f"{who}: x is on {device}, but the process group's backend {backend!r} runs collectives on "
+                         f"{' and '.join(sorted(takes))} tensors: move the layer and its input to such a device, or "
+                         f"use a process group of a backend for {device.type}")
+
+
 def shard_of(full: Tensor, parallel: str, process_group, dim_of_bias: bool = False) -> Tensor:
     """This rank's part of a full weight [N, K] (or bias [N] with
     ``dim_of_bias``): rows for "column", columns for "row" (the row

@@ -434,6 +434,24 @@ def test_dcp_saves_and_loads_the_delayed_histories_under_fsdp2():
             assert torch.equal(r["fresh"]["fp8"][key], r["model"]["fp8"][key])
 
 
+@pytest.mark.parametrize("backend,device,ok", [("gloo", "cpu", True), ("nccl", "cuda", True), ("nccl", "cpu", False),
+                                               ("gloo", "cuda", False), ("cpu:gloo,cuda:nccl", "cpu", True),
+                                               ("cpu:gloo,cuda:nccl", "cuda", True), ("ucc", "cuda", True)])
+def test_group_device_mismatch_is_named(monkeypatch, backend, device, ok):
+    # A process group whose backend cannot take the input's device (an NCCL
+    # group with CPU tensors, gloo with CUDA ones) is refused by name before
+    # any collective runs.
+    from lowbit.fp8_parallel import check_group_device
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    if ok:
+        check_group_device(object(), torch.device(device))
+    else:
+        with pytest.raises(ValueError, match=rf"x is on {device}, but the process group's backend '{backend}' runs "
+                                             rf"collectives on .* tensors"):
+            check_group_device(object(), torch.device(device))
+
+
 def test_fp8_state_dict_holds_the_buffers_and_loading_checks_keys_and_shapes():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 32))
     lowbit.convert_to_fp8_training(model, recipe=lowbit.Fp8Recipe("delayed", amax_history_len=4), policy="all",

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..fp8_parallel import (FP8_GATHER_RECIPES, check_parallel, fp8_gather_linear, group_name, parallel_input,
-                            parallel_output, shard_of)
+from ..fp8_parallel import (FP8_GATHER_RECIPES, check_group_device, check_parallel, fp8_gather_linear, group_name,
+                            parallel_input, parallel_output, shard_of)
 
 _OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CACHE_BUFFERS = ("fp8_weight", "fp8_weight_scale", "fp8_weight_t", "fp8_weight_t_scale")
@@ -224,6 +224,7 @@ class Fp8Linear(nn.Linear):
         # None: cast W on every call; True: refresh the cache; False: reuse it.
         self.is_first_microbatch: bool | None = None
         self._fallback_warned: set[str] = set()
+        self._group_checked_for: torch.device | None = None  # the x device check_group_device passed
         self._register_state(self.weight.device)
 
     def _register_state(self, device) -> None:
@@ -285,6 +286,11 @@ class Fp8Linear(nn.Linear):
             return self._local(x, self.bias, is_first_microbatch)
         if isinstance(x, _fp8_api().Fp8Activation):
             raise ValueError("Fp8Linear: an FP8 input (Fp8Activation) is not available with parallel= (not done yet)")
+        if not torch.compiler.is_compiling() and x.device != self._group_checked_for:
+            # Eagerly, once per device (a compiled graph was traced from an
+            # eager-checked call or fails inside its collective).
+            check_group_device(self.process_group, x.device)
+            self._group_checked_for = x.device
         group = group_name(self.process_group)
         if self._gathers_fp8(x, is_first_microbatch):
             return fp8_gather_linear(x, self.weight, self.bias, self.recipe, self.fp8_state, group)
