@@ -85,11 +85,27 @@ def test_forward_mode_ad():
 
 
 def test_gpu_capability_reason(monkeypatch):
-    check = fp8_linear_module._gpu_unsupported.__wrapped__
+    check = fp8_linear_module._capability_reason
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
     assert "compute capability 8.0; the FP8 ops run on 9.0" in check(0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
     assert check(0) is None
+
+
+def test_capability_check_traces_without_warnings(monkeypatch):
+    # Dynamo evaluates the check once at trace time (assume_constant_result)
+    # and warns about nothing, e.g. not about a functools.lru_cache wrapper.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(fp8_linear_module, "_CAPABILITY_REASONS", {})
+
+    def f(x):
+        return x + 1 if fp8_linear_module._gpu_unsupported(0) is None else x - 1
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert torch.equal(y, torch.full((2,), 2.0))
 
 
 def test_supported_inputs_take_the_ops():

@@ -27,7 +27,6 @@ layer and reason that says why.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import torch
@@ -110,15 +109,25 @@ def _make_fallback(kind: str):
 _FALLBACKS = {kind: _make_fallback(kind) for kind in _FALLBACK_KINDS}
 
 
-@torch._dynamo.assume_constant_result
-@functools.lru_cache(maxsize=None)
-def _gpu_unsupported(index: int) -> str | None:
+def _capability_reason(index: int) -> str | None:
     # The ops' CUDA kernels are built for compute capability 9.0 only
     # (csrc/torch/cuda_checks.h).
     cap = torch.cuda.get_device_capability(index)
     if cap == (9, 0):
         return None
     return f"GPU cuda:{index} has compute capability {cap[0]}.{cap[1]}; the FP8 ops run on 9.0 (Hopper) and the CPU"
+
+
+_CAPABILITY_REASONS: dict[int, str | None] = {}
+
+
+# A plain dict rather than functools.lru_cache: Dynamo warns about tracing
+# into an lru_cache wrapper even where assume_constant_result applies.
+@torch._dynamo.assume_constant_result
+def _gpu_unsupported(index: int) -> str | None:
+    if index not in _CAPABILITY_REASONS:
+        _CAPABILITY_REASONS[index] = _capability_reason(index)
+    return _CAPABILITY_REASONS[index]
 
 
 def _subclass(t) -> bool:
