@@ -264,6 +264,20 @@ at::Tensor fp8_codes(const at::Tensor& weight_fp8) {
   return weight_fp8.scalar_type() == at::kByte ? weight_fp8.view(at::kFloat8_e4m3fn) : weight_fp8;
 }
 
+std::tuple<at::Tensor, at::Tensor> fp8_rows_cpu_impl(const at::Tensor& x2) {
+  at::Tensor codes = at::empty(x2.sizes(), x2.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::zeros({x2.size(0)}, x2.options().dtype(at::kFloat));
+  nvfp4::gemm::Fp8RowsArgs a{};
+  a.x = x2.data_ptr();
+  a.dtype = to_lowbit_dtype(x2.scalar_type());
+  a.m = x2.size(0);
+  a.k = x2.size(1);
+  a.out = reinterpret_cast<uint8_t*>(codes.data_ptr());
+  a.row_scale = scale.data_ptr<float>();
+  if (a.m > 0 && a.k > 0) nvfp4::gemm::fp8_rows_cpu(a);
+  return {codes, scale};
+}
+
 void check_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                           const at::Tensor& weight_global, int64_t n_groups, int64_t max_fused_rows) {
   check_dtype(x, kGrouped, "x", {at::kBFloat16, at::kHalf, at::kFloat});
@@ -342,22 +356,6 @@ std::tuple<at::Tensor, at::Tensor> to_fp8_meta(const at::Tensor& weight, const a
                                                const at::Tensor& weight_global, c10::SymInt k) {
   check_to_fp8(weight, weight_scale, weight_global, k);
   return empty_to_fp8_outputs(weight, k);
-}
-
-// x [M, K] (contiguous) rounded per row by the core's reference loops:
-// codes float8_e4m3fn [M, K] and row scales float32 [M].
-std::tuple<at::Tensor, at::Tensor> fp8_rows_cpu_impl(const at::Tensor& x2) {
-  at::Tensor codes = at::empty(x2.sizes(), x2.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale = at::zeros({x2.size(0)}, x2.options().dtype(at::kFloat));
-  nvfp4::gemm::Fp8RowsArgs a{};
-  a.x = x2.data_ptr();
-  a.dtype = to_lowbit_dtype(x2.scalar_type());
-  a.m = x2.size(0);
-  a.k = x2.size(1);
-  a.out = reinterpret_cast<uint8_t*>(codes.data_ptr());
-  a.row_scale = scale.data_ptr<float>();
-  if (a.m > 0 && a.k > 0) nvfp4::gemm::fp8_rows_cpu(a);
-  return {codes, scale};
 }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,

@@ -105,6 +105,10 @@ at::Tensor fp8_codes(const at::Tensor& weight_fp8);
 at::Tensor linear_reference(const at::Tensor& x, const at::Tensor& weight_global,
                             const c10::optional<at::Tensor>& bias,
                             const std::function<at::Tensor(const at::Tensor&)>& unpack_fp32);
+// x2 [M, K] (contiguous, on the CPU) rounded to E4M3 per row by the core's
+// reference loops (nvfp4_linear.h, the rule): codes float8_e4m3fn [M, K]
+// and row scales float32 [M].
+std::tuple<at::Tensor, at::Tensor> fp8_rows_cpu_impl(const at::Tensor& x2);
 // The FP8 path's product in ATen ops on their device: x8 [M, K] and w8
 // [N, K] E4M3 codes with their row scales [M] and [N] (nvfp4_linear.h, the
 // rule), the codes' products summed in FP32, times both scales, the bias

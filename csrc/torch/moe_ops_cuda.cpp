@@ -3,13 +3,20 @@
 // the per-pair expert outputs) comes from the caching allocator, sized from
 // the shapes, so the op captures in CUDA graphs with no host synchronization.
 // lowbit::_nvfp4_moe_with_plan runs the same with a plan string's overrides.
+// From fp8_min_rows rows the FP8 path runs instead (nvfp4_moe.h, "The FP8
+// path"): lowbit's kernels around two grouped FP8 GEMMs
+// (at::_scaled_grouped_mm). nvfp4_moe_to_fp8: the Linear's conversion
+// kernels per expert.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "checks.h"
 #include "cuda_checks.h"
+#include "linear_ops.h"
 #include "moe_ops.h"
 
 namespace lowbit::ops {
@@ -47,12 +54,95 @@ at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights,
   return out;
 }
 
+// The FP8 path on checked inputs (M > 0). Each expert's rows form one group
+// of both grouped GEMMs; rows past the last group are never written or read.
+at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                        const at::Tensor& w13_fp8, const at::Tensor& w13_fp8_scale, const at::Tensor& w2_fp8,
+                        const at::Tensor& w2_fp8_scale, c10::optional<double> swiglu_limit) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t m = x.size(0), h = x.size(1), k = topk_ids.size(1), e = w13_fp8.size(0);
+  const int64_t inter = w13_fp8.size(1) / 2, pairs = m * k;
+  const auto i32 = x.options().dtype(at::kInt), f32 = x.options().dtype(at::kFloat);
+  const auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
+  auto xc = contiguous_aligned(x, 16);
+  auto wts = topk_weights.contiguous(), ids = topk_ids.contiguous();
+  at::Tensor scratch = at::empty({2 * e}, i32), offsets = at::empty({e}, i32), pair_row = at::empty({m, k}, i32);
+  at::Tensor x8 = at::empty({pairs, h}, f8), x_scale = at::empty({pairs}, f32);
+  nvfp4::moe::Fp8MoeSortArgs sa{};
+  sa.x = xc.data_ptr();
+  sa.dtype = to_lowbit_dtype(x.scalar_type());
+  sa.topk_ids = ids.data_ptr<int32_t>();
+  sa.m = m;
+  sa.k = k;
+  sa.e = e;
+  sa.h = h;
+  sa.counts = scratch.data_ptr<int32_t>();
+  sa.cursor = sa.counts + e;
+  sa.offsets = offsets.data_ptr<int32_t>();
+  sa.pair_row = pair_row.data_ptr<int32_t>();
+  sa.x_fp8 = reinterpret_cast<uint8_t*>(x8.data_ptr());
+  sa.x_scale = x_scale.data_ptr<float>();
+  C10_CUDA_CHECK(nvfp4::moe::fp8_moe_sort_cuda(sa, stream));
+  // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
+  at::Tensor gate_up = at::_scaled_grouped_mm(x8, fp8_codes(w13_fp8).transpose(1, 2), x_scale, w13_fp8_scale,
+                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, false);
+  at::Tensor act = at::empty({pairs, inter}, f8), act_scale = at::empty({pairs}, f32);
+  nvfp4::moe::Fp8MoeActArgs aa{};
+  aa.gate_up = gate_up.data_ptr();
+  aa.offsets = sa.offsets;
+  aa.rows = pairs;
+  aa.e = e;
+  aa.inter = inter;
+  aa.has_limit = swiglu_limit.has_value();
+  aa.swiglu_limit = aa.has_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+  aa.act_fp8 = reinterpret_cast<uint8_t*>(act.data_ptr());
+  aa.act_scale = act_scale.data_ptr<float>();
+  C10_CUDA_CHECK(nvfp4::moe::fp8_moe_act_cuda(aa, stream));
+  at::Tensor y = at::_scaled_grouped_mm(act, fp8_codes(w2_fp8).transpose(1, 2), act_scale, w2_fp8_scale, offsets,
+                                        c10::nullopt, c10::nullopt, at::kBFloat16, false);
+  at::Tensor out = at::empty({m, h}, x.options());
+  nvfp4::moe::Fp8MoeCombineArgs ca{};
+  ca.y = y.data_ptr();
+  ca.topk_weights = wts.data_ptr<float>();
+  ca.pair_row = sa.pair_row;
+  ca.m = m;
+  ca.k = k;
+  ca.h = h;
+  ca.dtype = sa.dtype;
+  ca.out = out.data_ptr();
+  C10_CUDA_CHECK(nvfp4::moe::fp8_moe_combine_cuda(ca, stream));
+  return out;
+}
+
 at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                     const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
                     const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
-                    c10::optional<double> swiglu_limit) {
-  return moe_cuda_planned(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
-                          swiglu_limit, {});
+                    c10::optional<double> swiglu_limit, int64_t fp8_min_rows,
+                    const c10::optional<at::Tensor>& w13_fp8, const c10::optional<at::Tensor>& w13_fp8_scale,
+                    const c10::optional<at::Tensor>& w2_fp8, const c10::optional<at::Tensor>& w2_fp8_scale) {
+  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
+  check_moe_fp8(x, w13, fp8_min_rows, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale);
+  if (!moe_uses_fp8(x.size(0), fp8_min_rows)) {
+    return moe_cuda_planned(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
+                            swiglu_limit, {});
+  }
+  check_supported_gpu(x, "nvfp4_moe");
+  c10::cuda::CUDAGuard guard(x.device());
+  return moe_fp8_cuda(x, topk_weights, topk_ids, *w13_fp8, *w13_fp8_scale, *w2_fp8, *w2_fp8_scale, swiglu_limit);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_to_fp8_cuda(
+    const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global, const at::Tensor& w2,
+    const at::Tensor& w2_scale, const at::Tensor& w2_global) {
+  check_supported_gpu(w13, "nvfp4_moe_to_fp8");
+  c10::cuda::CUDAGuard guard(w13.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The conversion's row maxima: one buffer for every expert, reused in stream order.
+  at::Tensor row_amax = at::empty({std::max(w13.size(1), w2.size(1))}, w13.options().dtype(at::kFloat));
+  return moe_to_fp8(w13, w13_scale, w13_global, w2, w2_scale, w2_global, [&](nvfp4::gemm::Fp8WeightArgs& a) {
+    a.row_amax = row_amax.data_ptr<float>();
+    C10_CUDA_CHECK(nvfp4::gemm::fp8_weight_cuda(a, stream));
+  });
 }
 
 at::Tensor moe_with_plan_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
@@ -68,5 +158,6 @@ at::Tensor moe_with_plan_cuda(const at::Tensor& x, const at::Tensor& topk_weight
 
 TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("nvfp4_moe", &lowbit::ops::moe_cuda);
+  m.impl("nvfp4_moe_to_fp8", &lowbit::ops::moe_to_fp8_cuda);
   m.impl("_nvfp4_moe_with_plan", &lowbit::ops::moe_with_plan_cuda);
 }

@@ -117,7 +117,14 @@ TORCH_LIBRARY(lowbit, m) {
   // and intermediate size I (the prepacked shapes pad them), on the host.
   m.def("nvfp4_moe_prepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("nvfp4_moe_unprepack(Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, SymInt hidden_size, SymInt intermediate_size) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("nvfp4_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None) -> Tensor");
+  // From fp8_min_rows rows of x (0: never; the choice inside the op, so one
+  // graph serves every M) nvfp4_moe runs the FP8 path on the experts' E4M3
+  // form that nvfp4_moe_to_fp8 makes once from the prepacked experts
+  // (w13_fp8 [E, 2I, H] gate rows then up rows, w2_fp8 [E, H, I],
+  // float8_e4m3fn, row scales float32 [E, 2I] / [E, H] with the globals
+  // folded in; the rule: csrc/lowbit/moe/nvfp4_moe.h, "The FP8 path").
+  m.def("nvfp4_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global, float? swiglu_limit=None, int fp8_min_rows=0, Tensor? w13_fp8=None, Tensor? w13_fp8_scale=None, Tensor? w2_fp8=None, Tensor? w2_fp8_scale=None) -> Tensor");
+  m.def("nvfp4_moe_to_fp8(Tensor w13, Tensor w13_scale, Tensor w13_global, Tensor w2, Tensor w2_scale, Tensor w2_global) -> (Tensor, Tensor, Tensor, Tensor)");
   // Private (tests and probes): nvfp4_moe with a plan string that forces
   // kernel choices of this call (csrc/lowbit/moe/nvfp4_moe.h,
   // MoePlanOverrides; checked, then unused on the CPU).

@@ -15,7 +15,7 @@ from .linear import (  # noqa: E402
     nvfp4_unpack,
     nvfp4_unprepack,
 )
-from .moe import Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack  # noqa: E402
+from .moe import Nvfp4MoeFp8, Nvfp4MoePrepacked, nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_to_fp8, nvfp4_moe_unprepack  # noqa: E402,E501
 from .quantize import quantize_  # noqa: E402
 from .fp8_training import (  # noqa: E402
     convert_to_fp8_training,
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Fp8Activation",
     "Fp8Recipe",
+    "Nvfp4MoeFp8",
     "Nvfp4MoePrepacked",
     "Nvfp4Tensor",
     "build_info",
@@ -59,6 +60,7 @@ __all__ = [
     "nvfp4_linear",
     "nvfp4_moe",
     "nvfp4_moe_prepack",
+    "nvfp4_moe_to_fp8",
     "nvfp4_moe_unprepack",
     "nvfp4_prepack",
     "nvfp4_quantize",

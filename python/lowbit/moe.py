@@ -72,6 +72,11 @@ def nvfp4_moe(
     w2_scale: Tensor,
     w2_global: Tensor,
     swiglu_limit: float | None = None,
+    fp8_min_rows: int = 0,
+    w13_fp8: Tensor | None = None,
+    w13_fp8_scale: Tensor | None = None,
+    w2_fp8: Tensor | None = None,
+    w2_fp8_scale: Tensor | None = None,
 ) -> Tensor:
     """Routed NVFP4 experts: returns ``out`` [M, H] in x's dtype with
 
@@ -93,10 +98,42 @@ def nvfp4_moe(
     An id outside [0, E) raises ValueError on CPU; on the GPU that slot
     contributes nothing (nothing is read out of bounds), so the -1 ids that
     :func:`lowbit.hash_router` gives to bad tokens are dropped. M = 0 works.
+
+    FP8 path: from ``fp8_min_rows`` rows of x (0, the default: never), the
+    experts run on their E4M3 form made once by :func:`nvfp4_moe_to_fp8`
+    (pass its four tensors): x rounded to E4M3 per token row, both GEMMs on
+    FP8 tensor cores (grouped, FP32 sums, BF16 outputs), the activations
+    rounded to E4M3 per row, the combine in FP32 (README.md, "Formats").
+    The choice is made inside the op from M, so one compiled graph or CUDA
+    graph serves every batch size.
     """
     return torch.ops.lowbit.nvfp4_moe(
-        x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit
+        x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit,
+        fp8_min_rows, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale
     )
+
+
+class Nvfp4MoeFp8(NamedTuple):
+    """The experts' E4M3 form (:func:`nvfp4_moe_to_fp8`), 1 byte per weight.
+
+    w13_fp8:       float8_e4m3fn [E, 2I, H]  gate rows, then up rows
+    w13_fp8_scale: float32 [E, 2I]           row scales, global folded in
+    w2_fp8:        float8_e4m3fn [E, H, I]
+    w2_fp8_scale:  float32 [E, H]
+    """
+    w13_fp8: Tensor
+    w13_fp8_scale: Tensor
+    w2_fp8: Tensor
+    w2_fp8_scale: Tensor
+
+
+def nvfp4_moe_to_fp8(w13: Tensor, w13_scale: Tensor, w13_global: Tensor, w2: Tensor, w2_scale: Tensor,
+                     w2_global: Tensor) -> Nvfp4MoeFp8:
+    """Prepacked experts -> their E4M3 form for :func:`nvfp4_moe`'s FP8 path,
+    made once (at load time): every expert row by the Linear's rule
+    (:func:`lowbit.nvfp4_to_fp8`): the row's values e2m1 x block scale, times
+    448 / their amax, rounded to E4M3; the row scale amax x global / 448."""
+    return Nvfp4MoeFp8(*torch.ops.lowbit.nvfp4_moe_to_fp8(w13, w13_scale, w13_global, w2, w2_scale, w2_global))
 
 
 register_inference_only("nvfp4_moe")

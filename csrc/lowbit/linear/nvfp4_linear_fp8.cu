@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "lowbit/arch/cuda_utils.cuh"
+#include "lowbit/linear/fp8_rows.cuh"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "lowbit/linear/nvfp4_mainloops.cuh"
 
@@ -15,24 +16,6 @@ namespace lowbit::nvfp4::gemm {
 namespace {
 
 constexpr int kFp8Threads = 256;
-
-// Round to nearest even E4M3 (values past 448 saturate; the rule never
-// makes one past 448 by more than a rounding).
-__device__ __forceinline__ uint32_t e4m3x4(const float (&v)[4]) {
-  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v[2], v[3]), __NV_SATFINITE, __NV_E4M3);
-  return uint32_t(lo) | (uint32_t(hi) << 16);
-}
-
-// max over the CTA of each thread's `v` (>= 0, not NaN), for every thread.
-__device__ __forceinline__ float cta_max(float v, float* red) {
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < kFp8Threads / 32; ++w) v = fmaxf(v, red[w]);
-  return v;
-}
 
 // The W kernels: thread i takes the 16 bytes i of the prepacked codes, lane
 // words 4q..4q+3 (q = i % 64) of k-tile i / 64: 4 words of the same two
@@ -184,7 +167,7 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restri
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fp8_absmax(amax, v[i]);
   }
-  amax = cta_max(amax, red);
+  amax = cta_max<kFp8Threads>(amax, red);
   const float r = fp8_row_reciprocal(amax);
   if (threadIdx.x == 0) row_scale[row] = fp8_row_scale(amax, 1.f);
   uint2* dst = reinterpret_cast<uint2*>(out + row * k);
@@ -192,8 +175,7 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restri
   for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
     float v[8];
     cuda::load8(src + 8 * c, v);
-    float a[4] = {v[0] * r, v[1] * r, v[2] * r, v[3] * r}, b[4] = {v[4] * r, v[5] * r, v[6] * r, v[7] * r};
-    dst[c] = make_uint2(e4m3x4(a), e4m3x4(b));
+    dst[c] = e4m3x8(v, r);
   }
 }
 

@@ -66,7 +66,60 @@ struct MoePlanOverrides {
 // built without CUDA too.
 MoePlanOverrides parse_moe_plan_string(const std::string& plan);
 
+// ---- The FP8 path (compute="auto" / "fp8") --------------------------------
+// The experts' E4M3 form is made once from the prepacked weights
+// (lowbit::nvfp4_moe_to_fp8: every expert row by the Linear's rule,
+// nvfp4_linear.h, with its expert's global scale; W13's rows back in
+// checkpoint order, gate rows then up rows). Per call, the CUDA binding
+// (csrc/torch/moe_ops_cuda.cpp) runs:
+//   fp8_moe_sort_cuda     x rounded to E4M3 per token row (the Linear's x
+//                         rule) and written once per valid (token, slot)
+//                         pair, grouped by expert: rows [offsets[e-1],
+//                         offsets[e]) are expert e's;
+//   up GEMM               [g | u] = x8 W13_e^T * scales, BF16 (cuBLASLt /
+//                         CUTLASS grouped FP8 GEMM, at::_scaled_grouped_mm);
+//   fp8_moe_act_cuda      a = silu(min(g, L)) * clamp(u, -L, L) in FP32,
+//                         rounded to E4M3 per row by the same rule;
+//   down GEMM             y = a8 W2_e^T * scales, BF16;
+//   fp8_moe_combine_cuda  out[t] = sum_j w[t, j] y[row of (t, j)] in FP32
+//                         (slot order), rounded once to x's dtype.
+// The pairs' rows within an expert's group depend on the order in which
+// CTAs claim them, but no row's value depends on its place: the result is
+// the same bits on every call.
+struct Fp8MoeSortArgs {
+  const void* x;               // [M, H], dtype (16-byte aligned rows)
+  DType dtype;                 // kBFloat16 or kFloat16
+  const int32_t* topk_ids;     // [M, k]; ids outside [0, E) get no row
+  int64_t m, k, e, h;
+  int32_t* counts;             // [E] scratch
+  int32_t* cursor;             // [E] scratch
+  int32_t* offsets;            // [E] out: end of each expert's rows (inclusive prefix sum of the counts)
+  int32_t* pair_row;           // [M, k] out: the row of each pair, -1 for an id outside [0, E)
+  uint8_t* x_fp8;              // [M k, H] out: E4M3 codes (rows past offsets[E-1] unwritten)
+  float* x_scale;              // [M k] out: row scales
+};
+struct Fp8MoeActArgs {
+  const void* gate_up;         // [rows, 2I] bfloat16: gate columns, then up columns
+  const int32_t* offsets;      // [E]: rows past offsets[E-1] are skipped
+  int64_t rows, e, inter;
+  bool has_limit;
+  float swiglu_limit;
+  uint8_t* act_fp8;            // [rows, I] out: E4M3 codes
+  float* act_scale;            // [rows] out
+};
+struct Fp8MoeCombineArgs {
+  const void* y;               // [M k, H] bfloat16, rows as pair_row says
+  const float* topk_weights;   // [M, k]
+  const int32_t* pair_row;     // [M, k]
+  int64_t m, k, h;
+  DType dtype;                 // of out
+  void* out;                   // [M, H]
+};
+
 #if defined(LOWBIT_WITH_CUDA)
+cudaError_t fp8_moe_sort_cuda(const Fp8MoeSortArgs& args, cudaStream_t stream);
+cudaError_t fp8_moe_act_cuda(const Fp8MoeActArgs& args, cudaStream_t stream);
+cudaError_t fp8_moe_combine_cuda(const Fp8MoeCombineArgs& args, cudaStream_t stream);
 
 // Workspace the launcher needs, in bytes, for this problem (caller allocates
 // it, 256-byte aligned, from a stream-ordered allocator).
