@@ -550,6 +550,35 @@ GROUPS = {4: (2, 1), 8: (4, 2), 16: (4, 2), 32: (4, 2), 64: (8, 4), 512: (8, 4)}
 def add_moe_cases(b: Builder):
     for plan in MOE_PLANS_SMALL if b.small else MOE_PLANS:
         _add_moe_plan(b, *plan)
+    _add_moe_fp8(b, 300, 1024, 512, 32, 8, None)
+    _add_moe_fp8(b, 64, 256, 128, 8, 2, 0.5)
+
+
+MOE_FP8_TOL = 4e-3  # test_nvfp4_moe_fp8.py FP8_REF_TOL: the same codes, FP32 sums in another order
+
+
+def _add_moe_fp8(b: Builder, M, H, I, E, k, limit):
+    # The FP8 path (fp8_min_rows = 1): the experts' E4M3 form made here
+    # (checked bit for bit against the CPU op), then lowbit's sort / act /
+    # combine kernels around torch's grouped FP8 GEMMs.
+    exp = MoeExperts(b, E, H, I)
+    g = b.gen("moe fp8 inputs", M, H, I, E, k)
+    x = b.randn(M, H, gen=g, dtype=torch.bfloat16)
+    ids = torch.rand(M, E, generator=g, device=b.device).topk(k, dim=1).indices.int()
+    w = torch.rand(M, k, generator=g, device=b.device) + 0.05
+    form = lowbit.nvfp4_moe_to_fp8(*exp.args)
+    cpu_args = [t.cpu() for t in exp.args]
+    cpu_form = lowbit.nvfp4_moe_to_fp8(*cpu_args)
+    for got, want in zip(form, cpu_form):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), "nvfp4_moe_to_fp8 vs the CPU op"
+    want = lowbit.nvfp4_moe(x.cpu(), w.cpu(), ids.cpu(), *cpu_args, limit, 1, *cpu_form).double()
+
+    def check(y):
+        err = rel_err(y, want)
+        return None if err <= MOE_FP8_TOL else f"rel err {err:.2e} vs the CPU op"
+
+    b.add("nvfp4_moe", f"nvfp4_moe [FP8 path, grouped FP8 GEMMs] M={M} H={H} I={I} E={E} k={k}"
+          f"{' limit' if limit else ''}", lambda: lowbit.nvfp4_moe(x, w, ids, *exp.args, limit, 1, *form), check)
 
 
 def _add_moe_plan(b: Builder, plan, M, H, I, E, k, hot):
