@@ -22,8 +22,9 @@ the checkpoint becomes, by what its tensors are:
   parameter or buffer, cast to its dtype.
 
 Activation and KV-cache scales (``input_scale``, ``input_global_scale``,
-``k_scale``, ``v_scale``) are not used: the layers run W4A16. Checkpoints in
-other quantized formats (FP8, MXFP4, INT4) are refused by name.
+``k_scale``, ``v_scale``) are not used: the layers run W4A16, or with
+``compute`` FP8 with activation scales of their own. Checkpoints in other
+quantized formats (FP8, MXFP4, INT4) are refused by name.
 
 What a checkpoint must hold, and what it may not (ValueError naming the
 key, with what was expected and what was found): every parameter of the
@@ -443,9 +444,9 @@ def load_checkpoint_(
     renames a checkpoint key to the model's name for it (None drops it),
     for checkpoints named otherwise than the model. ``compute`` (and the
     deprecated ``fp8_min_rows``): as :func:`lowbit.quantize_`, for the
-    Linear layers, whose FP8 copy (``"auto"``, ``"fp8"``) is made as each
-    is loaded; grouped layers and MoE experts stay W4A16 (FP8 compute for
-    them is not done yet).
+    Linear layers and the MoE blocks, whose FP8 copy (``"auto"``,
+    ``"fp8"``) is made as each is loaded; grouped layers stay W4A16 (their
+    op has no FP8 path yet).
 
     Raises ValueError, naming the key, for a tensor whose shape, dtype,
     value or format does not fit the model, a quantized format other than
@@ -587,7 +588,7 @@ def load_checkpoint_(
             step(prefix)
 
         for name, experts in blocks.items():
-            _replace(model, name, _load_moe(model.get_submodule(name), name, experts, nvfp4, formats, shards))
+            _replace(model, name, _load_moe(model.get_submodule(name), name, experts, nvfp4, formats, shards, mode))
             report.moe.append(name)
             step(name)
 
@@ -680,9 +681,10 @@ def _device_map(model: nn.Module, device: torch.device | str | None, device_map:
     return out
 
 
-def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: dict, shards: _Shards) -> nn.Module:
-    """An HF MoE block with its NVFP4 experts -> Nvfp4MoE, read from the
-    checkpoint one expert at a time."""
+def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: dict, shards: _Shards,
+              compute: str) -> nn.Module:
+    """An HF MoE block with its NVFP4 experts -> Nvfp4MoE computing as
+    ``compute`` says, read from the checkpoint one expert at a time."""
     from .nn.moe import Nvfp4MoE
 
     n_experts, two_i, h = block.experts.gate_up_proj.shape
@@ -714,7 +716,8 @@ def _load_moe(block: nn.Module, name: str, experts: dict, nvfp4: dict, formats: 
               for p in _SHARED}
     try:
         return Nvfp4MoE.from_hf_modelopt(block, expert, shared_gate_proj=shared["gate_proj"],
-                                         shared_up_proj=shared["up_proj"], shared_down_proj=shared["down_proj"])
+                                         shared_up_proj=shared["up_proj"], shared_down_proj=shared["down_proj"],
+                                         compute=compute)
     except ValueError as e:  # e.g. an expert's gate and up with different global scales
         raise ValueError(_err("path", f"holds MoE block {name} that Nvfp4MoE cannot hold: {e}")) from e
 
@@ -787,8 +790,8 @@ def load_pretrained(
     the CPU) or spread over devices by ``device_map`` (``"auto"``: every
     visible GPU), unquantized tensors in ``dtype``, in eval mode.
     ``compute``: ``"w4a16"`` (default), ``"auto"`` or ``"fp8"`` for the
-    Linear layers, as :func:`lowbit.quantize_` (``fp8_min_rows``:
-    deprecated); the MoE experts and grouped layers stay W4A16."""
+    Linear layers and MoE blocks, as :func:`lowbit.quantize_`
+    (``fp8_min_rows``: deprecated); grouped layers stay W4A16."""
     try:
         import transformers
     except ImportError as e:

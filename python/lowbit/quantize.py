@@ -46,9 +46,13 @@ def quantize_(
       (``DeepseekV3MoE``, ``DeepseekV4SparseMoeBlock``) with an
       :class:`lowbit.nn.Nvfp4MoE` (:meth:`Nvfp4MoE.from_hf`: router,
       routed experts and shared expert in one module, so the Linear layers
-      of its shared expert go with it). Blocks whose sizes are not
-      multiples of 16 are skipped. The experts compute W4A16 whatever
-      ``compute``: FP8 compute for the MoE is not done yet.
+      of its shared expert go with it), computing as ``compute`` says
+      (``"auto"``: the FP8 path from
+      ``lowbit.nn.moe.AUTO_MOE_FP8_MIN_ROWS`` tokens; with ``"auto"`` or
+      ``"fp8"`` the experts' FP8 form is made here, 1 byte a weight more;
+      see :class:`lowbit.nn.Nvfp4MoE`; the deprecated ``fp8_min_rows``
+      n > 0 gives them ``"auto"`` at their own threshold). Blocks whose
+      sizes are not multiples of 16 are skipped.
 
     A module used under several names (the same object registered twice)
     is converted once and the replacement put under every name, so it
@@ -107,7 +111,7 @@ def quantize_(
             layer = Nvfp4Linear.from_linear(mod)
             layer._set_compute(mode, fp8_rows)
         else:
-            layer = Nvfp4MoE.from_hf(mod)
+            layer = Nvfp4MoE.from_hf(mod, compute=mode)
         del mod  # the parents' were the last references
         for name in names:
             parent_name, _, child = name.rpartition(".")
@@ -129,7 +133,7 @@ def nvfp4_round_trip_(model: nn.Module, moe: bool = True) -> nn.Module:
     import torch
 
     from .format import nvfp4_dequantize, nvfp4_quantize
-    from .nn.linear import Nvfp4GroupedLinear, Nvfp4Linear
+    from .nn.linear import Nvfp4GroupedLinear
     from .nn.moe import Nvfp4MoE
 
     def round_trip(w):

@@ -15,7 +15,6 @@ out of order) changes them.
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 import lowbit
 from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
+from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -193,18 +193,21 @@ def test_key_map_and_deepseek_expert_names(tmp_path):
     assert all(k.endswith(".input_scale") for k in report.ignored)
 
 
-def test_compute_reaches_the_linear_layers(tmp_path):
-    # compute="auto": every Nvfp4Linear with its FP8 copy made at load
-    # time; the MoE blocks stay W4A16 (their FP8 compute is not done yet).
+def test_compute_reaches_the_linear_and_moe_layers(tmp_path):
+    # compute="auto": every Nvfp4Linear and Nvfp4MoE with its FP8 copy made
+    # at load time.
     model = build("v3", "cpu")
     write_checkpoint(tmp_path, model, nvfp4_state(model))
     loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, compute="auto")
     linears = [m for m in loaded.modules() if isinstance(m, Nvfp4Linear)]
-    assert {m.compute for m in linears} == {"auto"}
+    moes = [m for m in loaded.modules() if isinstance(m, Nvfp4MoE)]
+    assert {m.compute for m in linears} == {"auto"} and len(moes) == 2 and {m.compute for m in moes} == {"auto"}
     assert all(m.weight_fp8 is not None and m.weight_fp8.dtype == torch.float8_e4m3fn for m in linears)
-    assert not any(k.endswith("weight_fp8") or k.endswith("weight_fp8_scale") for k in loaded.state_dict())
+    assert all(m.w13_fp8 is not None and m.w2_fp8.dtype == torch.float8_e4m3fn for m in moes)
+    assert not any("_fp8" in k for k in loaded.state_dict())
     plain = lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
     assert all(m.weight_fp8 is None for m in plain.modules() if isinstance(m, Nvfp4Linear))
+    assert all(m.w13_fp8 is None for m in plain.modules() if isinstance(m, Nvfp4MoE))
     # Decode-sized inputs run W4A16 under "auto": the same logits.
     torch.testing.assert_close(logits(loaded, "cpu"), logits(plain, "cpu"), rtol=0, atol=0)
     with pytest.raises(ValueError, match="lowbit.load_pretrained: compute must be 'w4a16', 'auto' or 'fp8'"):
@@ -213,6 +216,8 @@ def test_compute_reaches_the_linear_layers(tmp_path):
     with pytest.deprecated_call(match="fp8_min_rows is deprecated"):
         loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, fp8_min_rows=512)
     assert {(m.compute, m._fp8_rows) for m in loaded.modules() if isinstance(m, Nvfp4Linear)} == {("auto", 512)}
+    assert {(m.compute, m._fp8_rows) for m in loaded.modules() if isinstance(m, Nvfp4MoE)} == \
+        {("auto", AUTO_MOE_FP8_MIN_ROWS)}  # a Linear's row count is not the experts' threshold
 
 
 def _write_and_load(tmp_path, state, model, **kwargs):

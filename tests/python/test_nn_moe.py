@@ -1,7 +1,8 @@
 """lowbit.nn.Nvfp4MoE: construction from BF16 (Hugging Face DeepseekV3/V4
 layout) and ModelOpt tensors, the shared expert fused (as expert E) and
 separate, dense / hash / group-limited routing, state_dict, .to(), compile
-and CUDA graphs.
+and CUDA graphs; compute="w4a16" / "auto" / "fp8" against lowbit.nvfp4_moe
+called with the matching arguments.
 
 The reference (moe_reference.py, float64) quantizes the BF16 weights with the
 independent nvfp4_reference quantizer and runs the experts on the routing the
@@ -14,6 +15,8 @@ which the reference models, and the sum of two x-dtype outputs, ~1e-3 more),
 still well inside 5e-3.
 """
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -24,6 +27,7 @@ import lowbit
 import moe_reference as ref
 import nvfp4_reference as nvref
 from lowbit.nn import Nvfp4MoE
+from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
 
 TOL = 5e-3
 
@@ -452,6 +456,169 @@ def test_compile_fullgraph_dynamic_no_recompile(shared_i, mode):
     # scaling factor, the SwiGLU limit) as symbolic floats, then restarts the
     # analysis once to specialize them, and the backend sees that first
     # frame twice (within the first call); no size of M recompiles after it.
+    assert first <= 2 and counter.frame_count == first
+
+
+# ---- compute="w4a16" | "auto" | "fp8" --------------------------------------
+
+FP8_NAMES = ("w13_fp8", "w13_fp8_scale", "w2_fp8", "w2_fp8_scale")
+SMALL = dict(E=4, H=64, I=32, k=2)  # compute tests: tiny, the op's numerics are test_nvfp4_moe_fp8.py's
+
+
+def small_moe(shared_i, compute="w4a16", seed=120):
+    gen = torch.Generator().manual_seed(seed)
+    w = bf16_weights(SMALL["E"], SMALL["H"], SMALL["I"], gen, shared_i)
+    return make(w, SMALL["k"], **V4, compute=compute)
+
+
+def op_output(mod, x, *fp8_args):
+    """lowbit.nvfp4_moe called directly on the module's tensors and routing
+    (``fp8_args``: fp8_min_rows and the four FP8 tensors, or nothing), plus
+    the unfused shared expert (its Linears, computing as they are set)."""
+    x2 = x.reshape(-1, mod.hidden_size)
+    weights, ids = route_of(mod, x)
+    if mod.shared_fused:
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], mod.n_experts)], dim=1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+    y = lowbit.nvfp4_moe(x2, weights, ids, mod.w13, mod.w13_scale, mod.w13_global, mod.w2, mod.w2_scale,
+                         mod.w2_global, mod.swiglu_limit, *fp8_args)
+    if mod.shared_gate_up is not None:
+        y = y + mod._shared_unfused(x2)
+    return y.view(x.shape)
+
+
+def fp8_form(mod):
+    return lowbit.nvfp4_moe_to_fp8(mod.w13, mod.w13_scale, mod.w13_global, mod.w2, mod.w2_scale, mod.w2_global)
+
+
+def assert_fp8_form(mod, want):
+    for name, t in zip(FP8_NAMES, want):
+        got = getattr(mod, name)
+        assert got is not None and got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
+
+
+@pytest.mark.parametrize("shared_i", [None, 32, 16], ids=["no-shared", "fused", "separate"])
+def test_compute_modes_match_the_op(shared_i):
+    gen = torch.Generator().manual_seed(121)
+    w4, fp8, auto = (small_moe(shared_i, c) for c in ("w4a16", "fp8", "auto"))
+    assert (w4.compute, fp8.compute, auto.compute) == ("w4a16", "fp8", "auto")
+    assert (w4._fp8_rows, fp8._fp8_rows, auto._fp8_rows) == (0, 1, AUTO_MOE_FP8_MIN_ROWS)
+    assert all(getattr(w4, n) is None for n in FP8_NAMES)  # "w4a16" holds no FP8 form
+    want8 = fp8_form(w4)
+    assert_fp8_form(fp8, want8)
+    assert_fp8_form(auto, want8)
+    # The FP8 form is the only memory "auto" / "fp8" add: 1 byte a weight, 4 a row.
+    E, H, I = w4.w13.shape[0], SMALL["H"], SMALL["I"]
+    extra = sum(b.nbytes for b in auto.buffers()) - sum(b.nbytes for b in w4.buffers())
+    shared_extra = 0 if shared_i in (None, I) else \
+        sum(b.nbytes for m in (auto.shared_gate_up, auto.shared_down) for b in (m.weight_fp8, m.weight_fp8_scale))
+    assert extra == E * 3 * H * I + 4 * E * (2 * I + H) + shared_extra
+    if shared_i not in (None, I):  # the unfused shared expert's Linears get the same mode
+        assert {m.compute for m in (fp8.shared_gate_up, fp8.shared_down)} == {"fp8"}
+        assert {m.compute for m in (auto.shared_gate_up, auto.shared_down)} == {"auto"}
+        assert w4.shared_gate_up.weight_fp8 is None
+    assert "compute" not in repr(w4)
+    assert "compute=fp8" in repr(fp8) and "compute=auto" in repr(auto)
+    for m in (1, 7, AUTO_MOE_FP8_MIN_ROWS - 1, AUTO_MOE_FP8_MIN_ROWS):
+        x = torch.randn(m, SMALL["H"], generator=gen).bfloat16()
+        y4, y8, ya = w4(x), fp8(x), auto(x)
+        assert torch.equal(y4, op_output(w4, x))  # as before the knob: no FP8 arguments
+        assert torch.equal(y8, op_output(fp8, x, 1, *want8))
+        assert torch.equal(ya, op_output(auto, x, AUTO_MOE_FP8_MIN_ROWS, *want8))
+        if shared_i in (None, I):  # (unfused, the shared Linears switch at their own threshold)
+            assert torch.equal(ya, y8 if m >= AUTO_MOE_FP8_MIN_ROWS else y4)
+        assert rel_err(y8, y4) <= 9e-2  # the FP8 path's extra rounding (test_nvfp4_moe_fp8.py)
+    # The setter makes and drops the form; _set_compute takes another threshold.
+    w4.compute = "fp8"
+    assert_fp8_form(w4, want8)
+    w4._set_compute("auto", 8)
+    assert "compute=auto (FP8 from 8 rows)" in repr(w4)
+    for m in (7, 8):
+        x = torch.randn(m, SMALL["H"], generator=gen).bfloat16()
+        assert torch.equal(w4(x), op_output(w4, x, 8, *want8))
+    w4.compute = "w4a16"
+    assert all(getattr(w4, n) is None for n in FP8_NAMES)
+    assert shared_i in (None, I) or w4.shared_gate_up.compute == "w4a16"
+
+
+def test_compute_state_dict_round_trip_and_moves():
+    gen = torch.Generator().manual_seed(122)
+    keys = {}
+    for compute in ("w4a16", "auto", "fp8"):
+        keys[compute] = set(small_moe(16, compute).state_dict())
+    assert keys["w4a16"] == keys["auto"] == keys["fp8"]  # the FP8 form is derived, not saved
+    assert not any("fp8" in k for k in keys["fp8"])
+    for shared_i in (32, 16):
+        src = small_moe(shared_i, "fp8")
+        dst = Nvfp4MoE(SMALL["H"], SMALL["I"], SMALL["E"], SMALL["k"], shared_intermediate_size=shared_i, **V4,
+                       compute="fp8")
+        dst.load_state_dict(small_moe(shared_i).state_dict())  # a W4A16 module's state: the same bytes
+        assert_fp8_form(dst, fp8_form(src))  # made from the loaded experts
+        x = torch.randn(5, SMALL["H"], generator=gen).bfloat16()
+        assert torch.equal(dst(x), op_output(src, x, 1, *fp8_form(src)))
+        # .half() keeps the stored dtypes; .to(device) moves the form with the rest.
+        dst.half()
+        assert dst.w13_fp8.dtype == torch.float8_e4m3fn and dst.w2_fp8_scale.dtype == torch.float32
+        moved = dst.to("meta")
+        assert all(getattr(moved, n).device.type == "meta" for n in FP8_NAMES)
+
+
+def test_compute_bad_values_raise():
+    with pytest.raises(ValueError, match=r"Nvfp4MoE: compute must be 'w4a16', 'auto' or 'fp8', got 'FP8'"):
+        Nvfp4MoE(64, 32, 4, 2, compute="FP8")
+    mod = Nvfp4MoE(64, 32, 4, 2)
+    with pytest.raises(ValueError, match=r"Nvfp4MoE: compute must be 'w4a16', 'auto' or 'fp8', got None"):
+        mod.compute = None
+    assert mod.compute == "w4a16" and mod.w13_fp8 is None
+    w = bf16_weights(4, 64, 32, torch.Generator().manual_seed(123), 32)
+    with pytest.raises(ValueError, match=r"Nvfp4MoE.from_bf16: compute must be"):
+        make(w, 2, compute="w4a8")
+    with pytest.raises(ValueError, match=r"Nvfp4MoE.from_modelopt: compute must be"):
+        Nvfp4MoE.from_modelopt(**modelopt_tensors(w), k=2, compute="fast")
+
+
+def test_quantize_compute_reaches_the_moe():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = transformers.DeepseekV3Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1)
+    torch.manual_seed(124)
+    block = DeepseekV3MoE(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.05)
+    for compute, rows in (("auto", AUTO_MOE_FP8_MIN_ROWS), ("fp8", 1), ("w4a16", 0)):
+        model = torch.nn.Sequential(copy.deepcopy(block).bfloat16())
+        lowbit.quantize_(model, compute=compute, progress=False)
+        moe = model[0]
+        assert isinstance(moe, Nvfp4MoE) and moe.shared_fused
+        assert (moe.compute, moe._fp8_rows) == (compute, rows)
+        assert (moe.w13_fp8 is None) == (compute == "w4a16")
+        if compute != "w4a16":
+            assert_fp8_form(moe, fp8_form(moe))
+
+
+def test_compile_auto_one_graph_no_graph_break():
+    # One graph across M on both sides of the threshold; the FP8 form is a
+    # buffer, not made in the graph.
+    mod = small_moe(32, "auto")
+    x = torch.randn(5, SMALL["H"]).bfloat16()
+    exported = torch.export.export(mod, (x,), dynamic_shapes=({0: torch.export.Dim("tokens")},))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert sum("lowbit.nvfp4_moe." in t for t in targets) == 1 and not any("to_fp8" in t for t in targets)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mod, backend=counter, fullgraph=True, dynamic=True)
+    with size_oblivious:
+        for m in (1, 5, AUTO_MOE_FP8_MIN_ROWS - 1, AUTO_MOE_FP8_MIN_ROWS):
+            x = torch.randn(m, SMALL["H"]).bfloat16()
+            assert torch.equal(compiled(x), mod(x))
+            if m == 1:
+                first = counter.frame_count
+    # as in test_compile_fullgraph_dynamic_no_recompile: the first frame may
+    # be seen twice (float attributes specialized), no M recompiles after it
     assert first <= 2 and counter.frame_count == first
 
 

@@ -196,7 +196,7 @@ def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, pr
                    small: bool = False, samples: int = 10) -> list[dict]:
     """Every row of one family (module docstring)."""
     import lowbit
-    from lowbit.nn import Nvfp4Linear
+    from lowbit.nn import Nvfp4Linear, Nvfp4MoE
     from lowbit.quantize import nvfp4_round_trip_
 
     device = torch.device(device)
@@ -228,7 +228,7 @@ def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, pr
     for provider in PROVIDERS[1:]:
         mode = provider.split(":")[1]
         for m in model.modules():
-            if isinstance(m, Nvfp4Linear):
+            if isinstance(m, (Nvfp4Linear, Nvfp4MoE)):  # as quantize_(compute=mode) sets them
                 m.compute = mode
         measure(provider)
         with torch.no_grad():
@@ -251,7 +251,8 @@ def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, pr
                     if phase == "decode":
                         floor = (floors if provider == "bf16" else floors_q)[n] / hw.hbm_bytes_per_s
                     else:
-                        fp8 = provider == "lowbit:auto"  # from 256 rows the FP8 path (its Linear layers)
+                        # "auto": the Linears' FP8 path from 256 rows, the experts' from 1024
+                        fp8 = provider == "lowbit:auto"
                         floor = flops[n] / (hw.fp8_flops if fp8 else hw.bf16_flops)
                     row["floor_us"] = floor * 1e6
                     row["%floor"] = 100 * floor / t

@@ -29,13 +29,23 @@ dequantized NVFP4 weights, so both sides compute the same function and the
 rel_err column (||ours - peer|| / ||peer|| on the first input set) is a
 sanity check of the kernel (the tests are the correctness check).
 
+Providers ("provider" column), each against the same peer times:
+  lowbit        nvfp4_moe as Nvfp4MoE's compute="w4a16" runs it (W4A16).
+  lowbit:auto   compute="auto": the experts' E4M3 form (nvfp4_moe_to_fp8,
+                made once) passed with fp8_min_rows =
+                lowbit.nn.moe.AUTO_MOE_FP8_MIN_ROWS, so the op runs W4A16
+                below that many tokens and the FP8 path from it.
+  lowbit:fp8    compute="fp8": the FP8 path at every M (fp8_min_rows = 1).
+
 Memory plan, one layer at a time (DSV4-Pro: 385 experts of 3 x 3072 x 7168:
-BF16 51 GB, NVFP4 14 GB): phase 1 fills the BF16 stacks chunk by chunk
-(randn, quantize the chunk with lowbit.nvfp4_quantize, keep the NVFP4 chunk,
-write its dequantized BF16 back in place), so the peak is BF16 + NVFP4
+BF16 51 GB, NVFP4 14 GB, E4M3 25 GB): phase 1 fills the BF16 stacks chunk by
+chunk (randn, quantize the chunk with lowbit.nvfp4_quantize, keep the NVFP4
+chunk, write its dequantized BF16 back in place), so the peak is BF16 + NVFP4
 (~65 GB for Pro) and the peer is timed on every row. Phase 2 frees the BF16
-weights, prepacks the NVFP4 stacks (checkpoint + prepacked copy, ~29 GB)
-and times ours on the same input sets. Everything is freed between layers.
+weights, prepacks the NVFP4 stacks (checkpoint + prepacked copy, ~29 GB),
+frees the checkpoint copy, makes the E4M3 form (~40 GB with the prepacked
+stacks) and times every provider on the same input sets. Everything is
+freed between layers.
 
 Timing: lowbit.bench.harness.time_calls (CUDA graphs, median of 30
 samples of back-to-back replays, 10 above M = 256 where calls take ms; a
@@ -49,12 +59,18 @@ the sets; the other sets stream >= 2x L2 between two reads of it).
 Floor per row (mean over the sets): hw.floor_s(bytes, flops) with bytes =
 NVFP4 bytes (0.5625 B/weight) of the distinct routed experts the set
 selects (counted on the host at setup) + the shared expert + x + out +
-ids/weights, flops = 2 * M * (k + 1) * 3 * H * I. Columns: lowbit_us /
-bf16_us (time per call), x_bf16 = bf16 time / ours, %floor = floor / ours,
-GB/s = our bytes / our time, active_experts = mean distinct routed experts
-per set (the shared one comes on top), rel_err as above, bar = the targets:
-M <= 64 needs %floor >= 70 and x_bf16 >= 3; M = 4096 needs x_bf16 >= 1;
-one-expert needs <= 2x the uniform time at its M.
+ids/weights, flops = 2 * M * (k + 1) * 3 * H * I. Where the FP8 path runs
+(lowbit:fp8, lowbit:auto from its threshold) the weight bytes are the E4M3
+form's (1 B/weight + a 4-byte scale per row) and the flops are at the
+measured FP8 peak, hw.floor_s(..., fp8=True). Columns: lowbit_us / bf16_us
+(time per call of the row's provider / of the peer), x_bf16 = bf16 time /
+ours, %floor = floor / ours, GB/s = our bytes / our time, active_experts =
+mean distinct routed experts per set (the shared one comes on top), rel_err
+as above (the FP8 path adds ~7%: warned above FP8_REL_ERR_WARN), bar = the
+targets: lowbit and lowbit:auto at M <= 64 need %floor >= 70 and x_bf16 >=
+3; lowbit at M = 4096 needs x_bf16 >= 1, lowbit:auto x_bf16 >= 2 (issue 42,
+every layer and routing, one-expert included); one-expert needs <= 2x the
+same provider's uniform time at its M.
 """
 
 from __future__ import annotations
@@ -66,6 +82,7 @@ import torch.nn.functional as F
 
 import lowbit
 from lowbit.bench.harness import Hardware, rotation_count, time_calls
+from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
 
 # name: (H, E routed, k, I, swiglu_limit); one shared expert of the same I
 LAYERS = {
@@ -82,6 +99,15 @@ ZIPF_EXPONENT = 1.2
 MAX_SETS = 8
 CHUNK_BYTES = 1 << 30  # BF16 bytes of experts generated and quantized at once
 REL_ERR_WARN = 2e-2  # BF16 rounding of the intermediates gives ~5e-3
+FP8_REL_ERR_WARN = 1e-1  # the FP8 path's E4M3 x, weights and activations: ~7e-2
+# provider: fp8_min_rows of nvfp4_moe (0: W4A16, no FP8 form passed)
+PROVIDERS = {"lowbit": 0, "lowbit:auto": AUTO_MOE_FP8_MIN_ROWS, "lowbit:fp8": 1}
+AUTO_BAR_M, AUTO_BAR_X = 4096, 2.0  # issue 42: "auto" >= 2.0x the BF16 MoE at M = 4096
+
+
+def runs_fp8(provider: str, m: int) -> bool:
+    """Whether ``provider``'s call at M = ``m`` takes the FP8 path."""
+    return 0 < PROVIDERS[provider] <= m
 
 
 def bf16_grouped_moe(
@@ -205,6 +231,7 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
     n_all = E + 1  # routed + shared
     kp = k + 1
     expert_bytes = 3 * H * inter * 9 // 16  # NVFP4 codes + e4m3 block scales
+    expert_fp8_bytes = 3 * H * inter + 4 * (2 * inter + H)  # E4M3 weights + float32 row scales
     gen = torch.Generator().manual_seed(sum(map(ord, layer)))
 
     # Input sets for every row, made before the weights (host-side counts).
@@ -218,8 +245,10 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
         while len(sets) < n_sets:
             ids, w, distinct = routing_set(routing, m, E, k, gen)
             x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
-            nbytes = (distinct + 1) * expert_bytes + 2 * m * H * 2 + m * kp * 8
-            sets.append({"x": x, "ids": ids.to(dev), "w": w.to(dev), "distinct": distinct, "bytes": nbytes})
+            io_bytes = 2 * m * H * 2 + m * kp * 8
+            nbytes = (distinct + 1) * expert_bytes + io_bytes
+            sets.append({"x": x, "ids": ids.to(dev), "w": w.to(dev), "distinct": distinct, "bytes": nbytes,
+                         "bytes_fp8": (distinct + 1) * expert_fp8_bytes + io_bytes})
             if len(sets) == 1:
                 n_sets = rotation_count(nbytes, hw.l2_bytes, maximum=MAX_SETS)
         flops = 2.0 * m * kp * 3 * H * inter
@@ -228,6 +257,9 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
             "active": sum(s["distinct"] for s in sets) / len(sets),
             "bytes": sum(s["bytes"] for s in sets) / len(sets),
             "floor_s": sum(hw.floor_s(s["bytes"], flops) for s in sets) / len(sets),
+            "bytes_fp8": sum(s["bytes_fp8"] for s in sets) / len(sets),
+            "floor_fp8_s": sum(hw.floor_s(s["bytes_fp8"], flops, fp8=True) for s in sets) / len(sets),
+            "lowbit_s": {}, "rel_err": {},
         })
 
     # Phase 1: BF16 weights (dequantized NVFP4) and the peer.
@@ -242,7 +274,7 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
     for row in rows:
         sets = row["sets"]
 
-        def peer(i, sets=sets):
+        def peer(i, sets=sets, w13=w13, w2=w2):  # bound here: the stacks are deleted below
             s = sets[i]
             return bf16_grouped_moe(s["x"], s["w"], s["ids"], w13, w2, limit, index)
 
@@ -259,38 +291,50 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
     del w13, w2, peer
     torch.cuda.empty_cache()
 
-    # Phase 2: prepacked NVFP4 and ours.
+    # Phase 2: prepacked NVFP4 (and its E4M3 form) and ours.
     if has_moe:
         torch.cuda.reset_peak_memory_stats()
         w13p, w13sp, w2p, w2sp = torch.ops.lowbit.nvfp4_moe_prepack(q13[0], q13[1], q2[0], q2[1])
         g13, g2 = q13[2], q2[2]
         del q13, q2
         torch.cuda.empty_cache()
+        providers = list(PROVIDERS)
+        fp8 = ()
+        if hasattr(torch.ops.lowbit, "nvfp4_moe_to_fp8"):
+            fp8 = tuple(torch.ops.lowbit.nvfp4_moe_to_fp8(w13p, w13sp, g13, w2p, w2sp, g2))
+        else:
+            print("# torch.ops.lowbit.nvfp4_moe_to_fp8 is not in this build: timing lowbit (W4A16) only")
+            providers = ["lowbit"]
         for row in rows:
             sets = row["sets"]
+            for provider in providers:
+                min_rows = PROVIDERS[provider]
+                extra = (min_rows, *fp8) if min_rows else ()  # "lowbit": the call as before, no FP8 form
 
-            def ours(i, sets=sets):
-                s = sets[i]
-                return torch.ops.lowbit.nvfp4_moe(s["x"], s["w"], s["ids"], w13p, w13sp, g13, w2p, w2sp, g2, limit)
+                def ours(i, sets=sets, extra=extra):
+                    s = sets[i]
+                    return torch.ops.lowbit.nvfp4_moe(s["x"], s["w"], s["ids"], w13p, w13sp, g13, w2p, w2sp, g2,
+                                                      limit, *extra)
 
-            what = f"{layer} {row['routing']} M={row['M']} lowbit"
-            try:
-                out = ours(0)
-                if row["ref"] is not None:
-                    ref = row["ref"].float()
-                    row["rel_err"] = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    if not row["rel_err"] < REL_ERR_WARN:
-                        print(f"# {what}: rel_err {row['rel_err']:.3g} against the BF16 peer "
-                              f"(expected < {REL_ERR_WARN})")
-                    del ref
-                del out
-            except Exception as e:
-                print(f"# {what}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-                continue
-            row["lowbit_s"] = _time(ours, len(sets), row["M"], what)
-            torch.cuda.empty_cache()
-        print(f"# {layer}: phase 2 (NVFP4) peak {_gb(torch.cuda.max_memory_allocated())}")
-        del w13p, w13sp, w2p, w2sp, g13, g2
+                what = f"{layer} {row['routing']} M={row['M']} {provider}"
+                try:
+                    out = ours(0)
+                    if row["ref"] is not None:
+                        ref = row["ref"].float()
+                        err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                        row["rel_err"][provider] = err
+                        warn = FP8_REL_ERR_WARN if runs_fp8(provider, row["M"]) else REL_ERR_WARN
+                        if not err < warn:
+                            print(f"# {what}: rel_err {err:.3g} against the BF16 peer (expected < {warn})")
+                        del ref
+                    del out
+                except Exception as e:
+                    print(f"# {what}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                    continue
+                row["lowbit_s"][provider] = _time(ours, len(sets), row["M"], what)
+                torch.cuda.empty_cache()
+        print(f"# {layer}: phase 2 (NVFP4 + E4M3) peak {_gb(torch.cuda.max_memory_allocated())}")
+        del w13p, w13sp, w2p, w2sp, g13, g2, fp8
     else:
         del q13, q2
     for row in rows:
@@ -300,51 +344,60 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
     return rows
 
 
-def _bar(row: dict, uniform_s: float | None) -> str:
-    ours, peer, m = row.get("lowbit_s"), row.get("bf16_s"), row["M"]
+def _bar(row: dict, provider: str, uniform_s: float | None) -> str:
+    ours, peer, m = row["lowbit_s"].get(provider), row.get("bf16_s"), row["M"]
     if ours is None:
         return "n/a"
+    fails = []
+    auto_bar = m == AUTO_BAR_M and provider == "lowbit:auto"  # on every routing, one-expert too
     if row["routing"] == "one-expert":
         if uniform_s is None:
             return "n/a"
         ratio = ours / uniform_s
-        return "pass" if ratio <= 2.0 else f"FAIL {ratio:.2f}x uniform"
-    fails = []
-    if m <= 64:
-        pct = 100 * row["floor_s"] / ours
+        if ratio > 2.0:
+            fails.append(f"{ratio:.2f}x uniform")
+    elif m <= 64 and provider != "lowbit:fp8":
+        floor = row["floor_fp8_s"] if runs_fp8(provider, m) else row["floor_s"]
+        pct = 100 * floor / ours
         if pct < 70:
             fails.append(f"%floor {pct:.0f}<70")
         if peer is None or peer / ours < 3.0:
             fails.append("x_bf16<3")
-    elif m == 4096:
+    elif m == 4096 and provider == "lowbit":
         if peer is None or peer / ours < 1.0:
             fails.append("x_bf16<1")
-    else:
+    elif not auto_bar:
         return "-"
+    if auto_bar and (peer is None or peer / ours < AUTO_BAR_X):
+        fails.append(f"x_bf16<{AUTO_BAR_X:g}")
     return "pass" if not fails else "FAIL " + ", ".join(fails)
 
 
 def _finish(rows: list[dict]) -> list[dict]:
-    uniform = {(r["layer"], r["M"]): r.get("lowbit_s") for r in rows if r["routing"] == "uniform"}
+    """One table row per (case, provider) from bench_layer's cases."""
+    uniform = {(r["layer"], r["M"]): r["lowbit_s"] for r in rows if r["routing"] == "uniform"}
     out = []
     for r in rows:
-        ours, peer = r.get("lowbit_s"), r.get("bf16_s")
-        row = {"layer": r["layer"], "routing": r["routing"], "M": r["M"], "active_experts": r["active"],
-               "n_sets": r["n_sets"], "bytes": r["bytes"]}
-        if ours is not None:
-            row["lowbit_us"] = ours * 1e6
-        if peer is not None:
-            row["bf16_us"] = peer * 1e6
-        if ours is not None and peer is not None:
-            row["x_bf16"] = peer / ours
-        row["floor_us"] = r["floor_s"] * 1e6
-        if ours is not None:
-            row["%floor"] = 100 * r["floor_s"] / ours
-            row["GB/s"] = r["bytes"] / ours / 1e9
-        if "rel_err" in r:
-            row["rel_err"] = r["rel_err"]
-        row["bar"] = _bar(r, uniform.get((r["layer"], r["M"])))
-        out.append(row)
+        for provider in PROVIDERS:
+            ours, peer = r["lowbit_s"].get(provider), r.get("bf16_s")
+            fp8 = runs_fp8(provider, r["M"])
+            floor_s, nbytes = (r["floor_fp8_s"], r["bytes_fp8"]) if fp8 else (r["floor_s"], r["bytes"])
+            row = {"layer": r["layer"], "routing": r["routing"], "M": r["M"], "provider": provider,
+                   "active_experts": r["active"], "n_sets": r["n_sets"], "bytes": nbytes}
+            if ours is not None:
+                row["lowbit_us"] = ours * 1e6
+            if peer is not None:
+                row["bf16_us"] = peer * 1e6
+            if ours is not None and peer is not None:
+                row["x_bf16"] = peer / ours
+            row["floor_us"] = floor_s * 1e6
+            if ours is not None:
+                row["%floor"] = 100 * floor_s / ours
+                row["GB/s"] = nbytes / ours / 1e9
+            if provider in r["rel_err"]:
+                row["rel_err"] = r["rel_err"][provider]
+            row["bar"] = _bar(r, provider, uniform.get((r["layer"], r["M"]), {}).get(provider))
+            out.append(row)
     return out
 
 
@@ -356,6 +409,6 @@ def run(hw: Hardware, quick: bool):
     rows = []
     for layer in QUICK_LAYERS if quick else LAYERS:
         rows += bench_layer(hw, layer, QUICK_MS if quick else MS, has_moe)
-    columns = ["layer", "routing", "M", "lowbit_us", "bf16_us", "x_bf16", "floor_us", "%floor", "GB/s",
+    columns = ["layer", "routing", "M", "provider", "lowbit_us", "bf16_us", "x_bf16", "floor_us", "%floor", "GB/s",
                "active_experts", "rel_err", "bar"]
     return _finish(rows), columns

@@ -1,5 +1,5 @@
 """``Nvfp4MoE``: a DeepSeek-V3 / V4 style mixture-of-experts layer with NVFP4
-expert weights (W4A16), for inference.
+expert weights, for inference.
 
     y = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])  (+ SharedExpert(x[t]))
     Expert(x) = W2 (silu(gate) * up),  [gate | up] = W13 x,
@@ -17,6 +17,22 @@ buffers, and every token gets one more (id E, weight 1.0) slot. Otherwise it
 runs as two :class:`lowbit.nn.Nvfp4Linear` (gate+up, down) with the clamped
 SwiGLU in torch, and its output (in x's dtype) is added to the experts' (so
 that path rounds twice more: the gate/up output and the sum).
+
+``compute`` (an attribute, checked when set, not in ``state_dict``) picks
+the experts' arithmetic as :class:`lowbit.nn.Nvfp4Linear`'s does: ``"w4a16"``
+(the default), ``"fp8"`` (every call on the experts' E4M3 form: x and the
+SwiGLU output rounded to E4M3 per row, FP8 tensor cores) or ``"auto"`` (the
+FP8 path from ``AUTO_MOE_FP8_MIN_ROWS`` tokens, W4A16 below; chosen inside
+:func:`lowbit.nvfp4_moe`, so one graph serves every token count). An
+unfused shared expert (its Nvfp4Linear layers) gets the same mode, with the
+Linear's own ``"auto"`` threshold. With ``"auto"`` or ``"fp8"`` the module
+keeps the experts' E4M3 form (:func:`lowbit.nvfp4_moe_to_fp8`, 1 byte per
+weight more), made when the mode is set (construction, ``quantize_``,
+loading) and by ``load_state_dict``, never per call: the non-persistent
+buffers ``w13_fp8`` float8_e4m3fn [Es, 2I, H], ``w13_fp8_scale`` float32
+[Es, 2I], ``w2_fp8`` [Es, H, I], ``w2_fp8_scale`` [Es, H]. They are derived,
+so not in ``state_dict`` (checkpoints stay NVFP4); ``.to()`` moves them.
+``"w4a16"`` holds none.
 
 State (all buffers, in ``state_dict``):
 
@@ -42,11 +58,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..moe import nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_unprepack
+from ..moe import nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_to_fp8, nvfp4_moe_unprepack
 from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
-from .linear import Nvfp4Linear
+from .linear import Nvfp4Linear, resolve_compute
 from .router import Router
+
+# compute="auto": the experts' FP8 path from this many tokens (rows of x).
+# Provisional: to be measured on an H100 with `python -m lowbit.bench moe`
+# (its lowbit:auto / lowbit:fp8 rows against W4A16) and set where FP8 wins.
+AUTO_MOE_FP8_MIN_ROWS = 1024
+_FP8_BUFFERS = ("w13_fp8", "w13_fp8_scale", "w2_fp8", "w2_fp8_scale")
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 _HASH_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
@@ -144,6 +166,13 @@ def _scalar_global(t: object, where: str, arg: str) -> Tensor:
     return t.detach().float().reshape(())
 
 
+def resolve_moe_compute(where: str, compute: str) -> tuple[str, int]:
+    """(compute mode, fp8_min_rows for lowbit.nvfp4_moe), or ValueError
+    naming ``where`` and the argument."""
+    mode, _ = resolve_compute(where, compute, None)
+    return mode, {"w4a16": 0, "auto": AUTO_MOE_FP8_MIN_ROWS, "fp8": 1}[mode]
+
+
 def _split_triplet(t: object, where: str, arg: str) -> tuple[Tensor, Tensor, Tensor]:
     if not isinstance(t, (tuple, list)) or len(t) != 3:
         raise TypeError(_err(where, arg, "must be a (weight, weight_scale, weight_scale_2) tuple of ModelOpt tensors"))
@@ -168,6 +197,7 @@ class Nvfp4MoE(KeepsDtypes):
         swiglu_limit: L of the clamped SwiGLU (DeepSeek-V4: 10), or None.
         shared_intermediate_size: Is of the shared expert, or None for none.
         router_dtype: dtype of the gate weight (bfloat16 or float32).
+        compute: ``"w4a16"``, ``"auto"`` or ``"fp8"`` (module docstring).
     """
 
     def __init__(
@@ -188,8 +218,10 @@ class Nvfp4MoE(KeepsDtypes):
         shared_intermediate_size: int | None = None,
         router_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        compute: str = "w4a16",
     ) -> None:
         super().__init__()
+        compute_mode = resolve_moe_compute("Nvfp4MoE", compute)
         _check_multiple_of_16(hidden_size, "", "hidden_size")
         _check_multiple_of_16(intermediate_size, "", "intermediate_size")
         if not isinstance(n_experts, int) or n_experts < 1:
@@ -248,6 +280,54 @@ class Nvfp4MoE(KeepsDtypes):
         else:
             self.shared_gate_up = None
             self.shared_down = None
+        # The experts' E4M3 form for compute "auto" / "fp8" (None for
+        # "w4a16"): derived from the buffers above, so not in state_dict.
+        for name in _FP8_BUFFERS:
+            self.register_buffer(name, None, persistent=False)
+        self._set_compute(*compute_mode)
+
+    # ---- compute mode -----------------------------------------------------
+
+    @property
+    def compute(self) -> str:
+        """"w4a16", "auto" or "fp8" (module docstring); setting it makes or
+        drops the experts' FP8 form."""
+        return self._compute
+
+    @compute.setter
+    def compute(self, value: str) -> None:
+        self._set_compute(*resolve_moe_compute("Nvfp4MoE", value))
+
+    def _set_compute(self, mode: str, fp8_min_rows: int) -> None:
+        # Checked when set, not at the next forward. fp8_min_rows: what the
+        # op gets (0 for "w4a16", 1 for "fp8", the threshold for "auto").
+        self._compute, self._fp8_rows = mode, fp8_min_rows
+        for layer in (self.shared_gate_up, self.shared_down):
+            if layer is not None:
+                layer.compute = mode  # a Linear's "auto" threshold is its own
+        self.refresh_fp8_weight()
+
+    def refresh_fp8_weight(self) -> None:
+        """Makes the experts' FP8 form (``w13_fp8``, ``w13_fp8_scale``,
+        ``w2_fp8``, ``w2_fp8_scale``) from the NVFP4 buffers again, or drops
+        it for ``"w4a16"``. Done when the compute mode is set and by
+        ``load_state_dict``; call it after writing the expert buffers any
+        other way."""
+        for name in _FP8_BUFFERS:  # the old form freed before a new one is made
+            setattr(self, name, None)
+        if self._compute == "w4a16":
+            return
+        with torch.no_grad():
+            fp8 = nvfp4_moe_to_fp8(self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale, self.w2_global)
+        for name in _FP8_BUFFERS:
+            setattr(self, name, getattr(fp8, name))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if self._compute != "w4a16" and not error_msgs:
+            self.refresh_fp8_weight()  # from the loaded experts
 
     # ---- construction -----------------------------------------------------
 
@@ -318,6 +398,7 @@ class Nvfp4MoE(KeepsDtypes):
         shared_gate_proj: Tensor | None = None,
         shared_up_proj: Tensor | None = None,
         shared_down_proj: Tensor | None = None,
+        compute: str = "w4a16",
     ) -> "Nvfp4MoE":
         """Quantizes unquantized (BF16/FP16/FP32) weights with the reference
         NVFP4 rule (:func:`lowbit.nvfp4_quantize`, one global per expert).
@@ -328,9 +409,11 @@ class Nvfp4MoE(KeepsDtypes):
         ``e_score_correction_bias`` [E]; in hash mode ``tid2eid`` [vocab, k].
         Optional shared expert: ``shared_gate_proj`` / ``shared_up_proj``
         [Is, H] and ``shared_down_proj`` [H, Is] (all three or none); gate and
-        up share one global scale.
+        up share one global scale. ``compute`` as the module's (the FP8
+        form, if any, made here).
         """
         where = ".from_bf16"
+        compute_mode = resolve_moe_compute(f"Nvfp4MoE{where}", compute)
         gu = _check_tensor(gate_up_proj, where, "gate_up_proj", 3, floating=True)
         down = _check_tensor(down_proj, where, "down_proj", 3, floating=True)
         e, two_i, h = gu.shape
@@ -374,6 +457,7 @@ class Nvfp4MoE(KeepsDtypes):
                     Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_down_proj.detach())).state_dict()
                 )
             mod._load_router(router_weight.detach(), e_score_correction_bias, tid2eid, where)
+        mod._set_compute(*compute_mode)  # the FP8 form from the experts just loaded
         return mod
 
     @classmethod
@@ -400,6 +484,7 @@ class Nvfp4MoE(KeepsDtypes):
         shared_gate_proj: Sequence[Tensor] | None = None,
         shared_up_proj: Sequence[Tensor] | None = None,
         shared_down_proj: Sequence[Tensor] | None = None,
+        compute: str = "w4a16",
     ) -> "Nvfp4MoE":
         """From NVIDIA ModelOpt NVFP4 tensors of stacked experts (no requantization).
 
@@ -419,11 +504,11 @@ class Nvfp4MoE(KeepsDtypes):
         Optional shared expert: ``shared_gate_proj``, ``shared_up_proj``,
         ``shared_down_proj``, each a ModelOpt Linear's (weight, weight_scale,
         weight_scale_2) triple; gate and up must have equal weight_scale_2.
-        Router arguments as in :meth:`from_bf16`. ModelOpt's ``input_scale``
-        (activation quantization, W4A4) is not used: activations stay in
-        bf16/fp16 (W4A16).
+        Router arguments and ``compute`` as in :meth:`from_bf16`. ModelOpt's
+        ``input_scale`` (activation quantization, W4A4) is not used.
         """
         where = ".from_modelopt"
+        compute_mode = resolve_moe_compute(f"Nvfp4MoE{where}", compute)
         w13 = _check_tensor(w13_weight, where, "w13_weight", 3, floating=False)
         w2 = _check_tensor(w2_weight, where, "w2_weight", 3, floating=False)
         e, two_i, h_half = w13.shape
@@ -442,18 +527,20 @@ class Nvfp4MoE(KeepsDtypes):
         return cls._from_experts(
             where, h, i, e, lambda j: (w13[j], s13[j], g13[j], w2[j], s2[j], g2[j]), w13.device,
             (shared_gate_proj, shared_up_proj, shared_down_proj), router_weight, e_score_correction_bias, routing,
+            compute_mode,
         )
 
     @classmethod
     def _from_experts(
         cls, where: str, h: int, i: int, n_experts: int, expert: Callable[[int], tuple[Tensor, ...]],
         device: torch.device, shared: tuple, router_weight: Tensor, e_score_correction_bias: Tensor | None,
-        routing: dict,
+        routing: dict, compute_mode: tuple[str, int],
     ) -> "Nvfp4MoE":
         """The module from checked ModelOpt tensors, ``expert(e)`` giving
         expert e's (w13 [2I, H/2], w13 scale codes, global [], w2 [H, I/2],
         w2 scale codes, global []), called once per expert, in order;
-        ``shared``: the shared expert's three triples, or three Nones."""
+        ``shared``: the shared expert's three triples, or three Nones;
+        ``compute_mode`` from resolve_moe_compute."""
         if any(t is not None for t in shared) and any(t is None for t in shared):
             raise ValueError(_err(where, "shared_gate_proj", _ALL_OR_NONE))
         shared_i = None
@@ -495,6 +582,7 @@ class Nvfp4MoE(KeepsDtypes):
                 mod.shared_down.load_state_dict(Nvfp4Linear.from_modelopt(dw, ds, dg).state_dict())
             mod._load_router(router_weight.detach().to(mod.router.weight.device), e_score_correction_bias,
                              routing["tid2eid"], where)
+        mod._set_compute(*compute_mode)  # the FP8 form from the experts just loaded
         return mod
 
     @staticmethod
@@ -547,7 +635,7 @@ class Nvfp4MoE(KeepsDtypes):
         return router_weight, bias, routing
 
     @classmethod
-    def from_hf(cls, block: nn.Module) -> "Nvfp4MoE":
+    def from_hf(cls, block: nn.Module, *, compute: str = "w4a16") -> "Nvfp4MoE":
         """Quantizes a Hugging Face transformers (5.x) DeepSeek MoE block,
         ``DeepseekV3MoE`` or ``DeepseekV4SparseMoeBlock``, into an equivalent
         ``Nvfp4MoE`` (router, routed experts and shared expert; the experts
@@ -563,13 +651,15 @@ class Nvfp4MoE(KeepsDtypes):
         The router runs in float32 from the gate weight (V3 does too; V4
         rounds its gate logits to the model's dtype first, so near-tied
         expert choices can differ). An fp16 gate weight is kept as float32.
+        ``compute`` as the module's.
         """
+        resolve_moe_compute("Nvfp4MoE.from_hf", compute)  # before any expert is quantized
         router_weight, bias, routing = cls._hf_routing(block, ".from_hf")
         experts, shared = block.experts, block.shared_experts
         return cls.from_bf16(
             experts.gate_up_proj, experts.down_proj, router_weight, bias, **routing,
             shared_gate_proj=shared.gate_proj.weight, shared_up_proj=shared.up_proj.weight,
-            shared_down_proj=shared.down_proj.weight,
+            shared_down_proj=shared.down_proj.weight, compute=compute,
         )
 
     @classmethod
@@ -581,6 +671,7 @@ class Nvfp4MoE(KeepsDtypes):
         shared_gate_proj: Sequence[Tensor],
         shared_up_proj: Sequence[Tensor],
         shared_down_proj: Sequence[Tensor],
+        compute: str = "w4a16",
     ) -> "Nvfp4MoE":
         """A transformers DeepSeek MoE block whose experts come from an NVFP4
         checkpoint: the routing (router weight, correction bias, hash table,
@@ -595,9 +686,10 @@ class Nvfp4MoE(KeepsDtypes):
         [H, I/16], w2_weight_scale_2)``. It is called once per expert, in
         order, so that a checkpoint can be read one expert at a time: the
         conversion holds the module and one expert's tensors. The shared
-        expert as in :meth:`from_modelopt`.
+        expert as in :meth:`from_modelopt`; ``compute`` as the module's.
         """
         where = ".from_hf_modelopt"
+        compute_mode = resolve_moe_compute(f"Nvfp4MoE{where}", compute)
         router_weight, bias, routing = cls._hf_routing(block, where)
         n_experts, two_i, h = block.experts.gate_up_proj.shape
         i = two_i // 2
@@ -628,7 +720,7 @@ class Nvfp4MoE(KeepsDtypes):
 
         return cls._from_experts(
             where, h, i, n_experts, checked, router_weight.device, (shared_gate_proj, shared_up_proj, shared_down_proj),
-            router_weight, bias, routing,
+            router_weight, bias, routing, compute_mode,
         )
 
     def to_hf_modelopt(self) -> dict[str, Tensor]:
@@ -721,7 +813,8 @@ class Nvfp4MoE(KeepsDtypes):
             ids = torch.cat([ids, torch.full_like(ids[:, :1], self.n_experts)], dim=1)
             weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
         y = nvfp4_moe(x, weights, ids, self.w13, self.w13_scale, self.w13_global, self.w2, self.w2_scale,
-                      self.w2_global, self.swiglu_limit)
+                      self.w2_global, self.swiglu_limit, self._fp8_rows,
+                      self.w13_fp8, self.w13_fp8_scale, self.w2_fp8, self.w2_fp8_scale)
         if self.shared_gate_up is not None:
             y = y + self._shared_unfused(x)
         return y.view(hidden_states.shape)
@@ -732,8 +825,13 @@ class Nvfp4MoE(KeepsDtypes):
         else:
             how = f"fused as expert {self.n_experts}" if self.shared_fused else "separate Nvfp4Linear"
             shared = f"{self.shared_intermediate_size} ({how})"
+        compute = ""
+        if self._compute == "fp8" or (self._compute == "auto" and self._fp8_rows == AUTO_MOE_FP8_MIN_ROWS):
+            compute = f", compute={self._compute}"
+        elif self._compute == "auto":
+            compute = f", compute=auto (FP8 from {self._fp8_rows} rows)"
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"n_experts={self.n_experts}, k={self.k}, mode={self.mode}, swiglu_limit={self.swiglu_limit}, "
-            f"shared_expert={shared}, format=nvfp4 (W4A16, group 16, prepacked), device={self.w13.device}"
+            f"shared_expert={shared}, format=nvfp4 (W4A16, group 16, prepacked), device={self.w13.device}{compute}"
         )
