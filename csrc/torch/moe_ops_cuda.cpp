@@ -127,6 +127,8 @@ at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const a
                             swiglu_limit, {});
   }
   check_supported_gpu(x, "nvfp4_moe");
+  TORCH_CHECK_VALUE(topk_ids.size(1) <= nvfp4::moe::kMaxFp8Slots, "lowbit.nvfp4_moe: the FP8 path on CUDA takes at "
+                    "most ", nvfp4::moe::kMaxFp8Slots, " experts per token, got 'topk_ids' of shape ", topk_ids.sizes());
   c10::cuda::CUDAGuard guard(x.device());
   return moe_fp8_cuda(x, topk_weights, topk_ids, *w13_fp8, *w13_fp8_scale, *w2_fp8, *w2_fp8_scale, swiglu_limit);
 }

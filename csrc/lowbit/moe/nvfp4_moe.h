@@ -86,6 +86,7 @@ MoePlanOverrides parse_moe_plan_string(const std::string& plan);
 // The pairs' rows within an expert's group depend on the order in which
 // CTAs claim them, but no row's value depends on its place: the result is
 // the same bits on every call.
+constexpr int64_t kMaxFp8Slots = 256;  // k of the FP8 path on CUDA (the sort kernel's shared row list)
 struct Fp8MoeSortArgs {
   const void* x;               // [M, H], dtype (16-byte aligned rows)
   DType dtype;                 // kBFloat16 or kFloat16

@@ -24,6 +24,7 @@ using gemm::fp8_row_scale;
 
 constexpr int kThreads = 256;
 constexpr int kScanThreads = 1024;
+static_assert(kMaxFp8Slots % 4 == 0, "rows[] ends on a 16-byte boundary");
 
 __global__ void __launch_bounds__(kThreads) count_kernel(const int32_t* __restrict__ ids, int64_t pairs, int64_t e,
                                                          int32_t* __restrict__ counts) {
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) sort_rows_kernel(const T* __restrict
                                                              int32_t* __restrict__ pair_row,
                                                              uint8_t* __restrict__ x_fp8,
                                                              float* __restrict__ x_scale) {
-  extern __shared__ int32_t rows[];  // [k]
+  __shared__ int32_t rows[kMaxFp8Slots];  // [k]; static: the compiler's wide reads stay inside it
   __shared__ float red[kThreads / 32];
   const int64_t t = blockIdx.x;
   for (int64_t j = threadIdx.x; j < k; j += kThreads) {
@@ -189,14 +190,14 @@ cudaError_t fp8_moe_sort_cuda(const Fp8MoeSortArgs& a, cudaStream_t stream) {
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.counts, a.e, a.offsets, a.cursor);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const size_t smem = size_t(a.k) * sizeof(int32_t);
+  if (a.k > kMaxFp8Slots) return cudaErrorInvalidValue;
   if (a.dtype == DType::kBFloat16)
-    sort_rows_kernel<<<unsigned(a.m), kThreads, smem, stream>>>(static_cast<const __nv_bfloat16*>(a.x), a.topk_ids,
-                                                                a.k, a.h, a.e, a.cursor, a.pair_row, a.x_fp8,
-                                                                a.x_scale);
+    sort_rows_kernel<<<unsigned(a.m), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(a.x), a.topk_ids,
+                                                             a.k, a.h, a.e, a.cursor, a.pair_row, a.x_fp8,
+                                                             a.x_scale);
   else if (a.dtype == DType::kFloat16)
-    sort_rows_kernel<<<unsigned(a.m), kThreads, smem, stream>>>(static_cast<const __half*>(a.x), a.topk_ids, a.k,
-                                                                a.h, a.e, a.cursor, a.pair_row, a.x_fp8, a.x_scale);
+    sort_rows_kernel<<<unsigned(a.m), kThreads, 0, stream>>>(static_cast<const __half*>(a.x), a.topk_ids, a.k,
+                                                             a.h, a.e, a.cursor, a.pair_row, a.x_fp8, a.x_scale);
   else
     return cudaErrorInvalidValue;
   return cudaGetLastError();
