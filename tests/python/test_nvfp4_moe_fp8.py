@@ -22,9 +22,10 @@ from test_nvfp4_moe import Experts, random_routing, random_x, rel_err, seed_of
 
 FP8_REF_TOL = 4e-3
 FP8_PATH_TOL = 9e-2
-# CUDA against the CPU op: torch's grouped FP8 GEMM sums in the tensor
-# cores' reduced-precision accumulator (measured 4.4-5.6e-3 on an H100);
-# the CPU sums in FP32.
+# CUDA against the CPU op: torch's grouped FP8 GEMM applies the row scales
+# in its own order, so ~7% of gate / up values land one BF16 unit away from
+# (sum x s_x) x s_w in FP32 (measured on an H100), and about one in 16 of
+# those moves its activation's E4M3 code a step (6%): 4.4-5.6e-3 measured.
 FP8_CUDA_TOL = 1.5e-2
 cuda = pytest.mark.cuda
 
