@@ -144,8 +144,6 @@ void check_moe_fp8(const at::Tensor& x, const at::Tensor& w13, int64_t fp8_min_r
                     ": argument 'fp8_min_rows' must be >= 0 (0: never the FP8 path), got ", fp8_min_rows);
   const c10::optional<at::Tensor>* fp8[] = {&w13_fp8, &w13_fp8_scale, &w2_fp8, &w2_fp8_scale};
   const char* names[] = {"w13_fp8", "w13_fp8_scale", "w2_fp8", "w2_fp8_scale"};
-  int given = 0;
-  for (const auto* t : fp8) given += t->has_value();
   if (fp8_min_rows == 0) {
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK_VALUE(!fp8[i]->has_value(), "lowbit.", kMoe, ": argument '", names[i],
@@ -158,8 +156,11 @@ void check_moe_fp8(const at::Tensor& x, const at::Tensor& w13, int64_t fp8_min_r
                       " (the FP8 path) needs the experts' FP8 form: argument '", names[i],
                       "' is missing (lowbit.nvfp4_moe_to_fp8 makes all four)");
   }
-  (void)given;
   const c10::SymInt& e = w13.sym_size(0);
+  // torch's grouped FP8 GEMM, which the CUDA kernel runs, takes fewer than
+  // 1024 groups; the CPU kernel keeps the same contract.
+  TORCH_CHECK_VALUE(e < 1024, "lowbit.", kMoe, ": the FP8 path (fp8_min_rows > 0) takes at most 1023 experts, got ",
+                    "'w13' with ", e, "; run such a layer with fp8_min_rows = 0 (compute=\"w4a16\")");
   const c10::SymInt& two_i = w13.sym_size(1);
   const c10::SymInt& h = x.sym_size(1);
   const c10::SymInt inter = two_i / 2;

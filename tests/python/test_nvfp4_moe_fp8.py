@@ -124,6 +124,11 @@ def test_bad_fp8_arguments_raise_clear_errors():
         lowbit.nvfp4_moe(*args, 1, form.w13_fp8[:, :-16], *form[1:])
     with pytest.raises(TypeError, match=r"argument 'w2_fp8_scale' must have dtype"):
         lowbit.nvfp4_moe(*args, 1, *form[:3], form.w2_fp8_scale.double())
+    many = Experts(1024, 64, 16, gen)
+    xm = random_x(2, 64, torch.bfloat16, gen)
+    wm, idm = random_routing(2, 1024, 2, gen)
+    with pytest.raises(ValueError, match=r"the FP8 path \(fp8_min_rows > 0\) takes at most 1023 experts"):
+        lowbit.nvfp4_moe(xm, wm, idm, *many.args(), None, 1, *fp8_form(many))
     with pytest.raises(ValueError, match=r"nvfp4_moe_to_fp8: argument 'w13' must be prepacked"):
         lowbit.nvfp4_moe_to_fp8(exp.packed.w13[:, :, :-8], *exp.args()[1:])
     with pytest.raises(ValueError, match=r"nvfp4_moe_to_fp8: argument 'w2_global' must have shape"):
