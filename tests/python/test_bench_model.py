@@ -51,3 +51,22 @@ def test_rows_on_the_cpu(family):
     # Issue 42's bars sit on the V3 rows of "auto" that they name (here decode at batch 1).
     barred = [(r["phase"], r["tokens"], r["provider"]) for r in rows if "bar" in r]
     assert barred == ([("decode", 1, "lowbit:auto")] if family == "v3" else [])
+
+
+def test_decode_plot_goes_beside_the_json(monkeypatch, tmp_path):
+    # python -m lowbit.bench model --json DIR/x.json writes its plot into DIR
+    # (a GPU machine returns only what is under one folder).
+    from lowbit.bench import __main__ as bench_main
+
+    seen = {}
+
+    def fake_run(hw, quick, out_dir="."):
+        seen["out_dir"] = out_dir
+        return [], bench_model.COLUMNS
+
+    monkeypatch.setattr(bench_model, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_main, "measure_hardware",
+                        lambda: Hardware("fake", 132, 50 * 2**20, 3e12, 7e14, 1.4e15))
+    assert bench_main.main(["model", "--quick", "--json", str(tmp_path / "rows.json")]) == 0
+    assert seen["out_dir"] == str(tmp_path)

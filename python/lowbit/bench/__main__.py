@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             kwargs["shapes"] = [tuple(int(v) for v in part.split(",")) for part in args.shapes.split(";") if part]
         except ValueError:
             parser.error(f"--shapes: expected sizes like '16384,4096,14336;2048,4096,4096', got {args.shapes!r}")
+    if "out_dir" in inspect.signature(suite.run).parameters:
+        # Files a suite writes beside its table (plots) go where the JSON goes.
+        kwargs["out_dir"] = os.path.dirname(os.path.abspath(args.json)) if args.json else "."
     if not torch.cuda.is_available():
         print("lowbit.bench: benchmarks need a CUDA GPU", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ quantized model's own dequantized weights.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -294,8 +295,9 @@ def plot(rows: list[dict], path: str) -> str | None:
     return path
 
 
-def run(hw: Hardware, quick: bool):
-    """The suite; ``quick``: the V3 stack, batches 1 and 64, prefill 2048."""
+def run(hw: Hardware, quick: bool, out_dir: str = "."):
+    """The suite; ``quick``: the V3 stack, batches 1 and 64, prefill 2048.
+    The decode plot goes to ``out_dir`` (the --json file's folder)."""
     rows = []
     families = ("v3",) if quick else FAMILIES
     for family in families:
@@ -305,7 +307,7 @@ def run(hw: Hardware, quick: bool):
         except Exception as e:  # one family failing leaves the other's rows
             rows.append({"model": family, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         torch.cuda.empty_cache()
-    path = plot(rows, "bench_model_decode.png")
+    path = plot(rows, os.path.join(out_dir, "bench_model_decode.png"))
     if path:
         print(f"# decode speedup plot: {path}")
     return rows, COLUMNS
