@@ -139,9 +139,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_to_fp8_cuda(
   check_supported_gpu(w13, "nvfp4_moe_to_fp8");
   c10::cuda::CUDAGuard guard(w13.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // The conversion's row maxima: one buffer for every expert, reused in stream order.
-  at::Tensor row_amax = at::empty({std::max(w13.size(1), w2.size(1))}, w13.options().dtype(at::kFloat));
+  // The conversion's row maxima: one buffer for every expert, reused in
+  // stream order; made at the first call, after moe_to_fp8 checked the shapes.
+  at::Tensor row_amax;
   return moe_to_fp8(w13, w13_scale, w13_global, w2, w2_scale, w2_global, [&](nvfp4::gemm::Fp8WeightArgs& a) {
+    if (!row_amax.defined()) {
+      row_amax = at::empty({std::max(w13.size(1), w2.size(1))}, w13.options().dtype(at::kFloat));
+    }
     a.row_amax = row_amax.data_ptr<float>();
     C10_CUDA_CHECK(nvfp4::gemm::fp8_weight_cuda(a, stream));
   });
