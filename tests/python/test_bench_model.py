@@ -70,3 +70,26 @@ def test_decode_plot_goes_beside_the_json(monkeypatch, tmp_path):
                         lambda: Hardware("fake", 132, 50 * 2**20, 3e12, 7e14, 1.4e15))
     assert bench_main.main(["model", "--quick", "--json", str(tmp_path / "rows.json")]) == 0
     assert seen["out_dir"] == str(tmp_path)
+
+
+@pytest.mark.slow
+def test_decode_steps_compile():
+    # The GPU run compiles the decode steps (Inductor); here the same tracing
+    # on aot_eager: every provider's step compiles (no "compile failed" note)
+    # and gives the eager step's logits.
+    rows = bench_model.measure_family(HW, "v3", "cpu", batches=(1,), prefills=(16,), small=True, samples=1,
+                                      compile_backend="aot_eager")
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert [r["provider"] for r in decode] == list(bench_model.PROVIDERS)
+    assert all("note" not in r for r in decode), decode
+    model = bench_model.build_stack("v3", "cpu", small=True)
+    torch.manual_seed(0)
+    eager, _ = bench_model._decode_step(model, "v3", 2, torch.device("cpu"))
+    torch.manual_seed(0)  # the same token ids, a fresh cache of its own
+    compiled, note = bench_model._decode_step(model, "v3", 2, torch.device("cpu"), "aot_eager")
+    assert note == ""
+    with torch.no_grad():
+        want = eager()
+        got = compiled()
+    # aot_eager runs the same ops, some decomposed: BF16 rounding apart
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

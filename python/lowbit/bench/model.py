@@ -8,9 +8,11 @@ runs in BF16 and after ``lowbit.quantize_`` with ``compute="w4a16"`` and
 
 - decode steps at batch 1, 8, 32, 64, each a forward of one token per
   sequence (V3: against a static cache of CONTEXT positions; V4, whose
-  cache transformers' StaticCache does not hold: without a cache), captured
-  in a CUDA graph and replayed (a provider whose step cannot be captured is
-  timed eagerly, and says so);
+  cache transformers' StaticCache does not hold: without a cache),
+  compiled with torch.compile (Inductor, as serving engines compile their
+  models: the attention's and norms' small ops fused) and then captured in
+  a CUDA graph and replayed (a provider whose step cannot be compiled or
+  captured runs eagerly, and says so);
 - prefill of 2048 and 8192 tokens (one sequence, no cache), eagerly.
 
 The BF16 MoE runs transformers' grouped_mm experts (``torch._grouped_mm``).
@@ -139,16 +141,34 @@ def gemm_flops(model: torch.nn.Module, tokens: int) -> float:
     return 2.0 * tokens * per_token
 
 
-def _decode_step(model, family, batch, device):
-    """A callable running one decode step, and its inputs kept alive."""
+def _decode_step(model, family, batch, device, backend: str | None = None) -> tuple:
+    """(a callable running one decode step, its inputs kept alive; a note).
+    ``backend``: the step compiled with torch.compile on that backend, as a
+    serving engine compiles its model (a step that does not compile runs
+    eagerly, and the note says why)."""
     import transformers
 
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    forward = model
+    if backend is not None:
+        torch._dynamo.reset()  # each (provider, batch) its own compiled code: no cache-size limit reached
+        forward = torch.compile(model, backend=backend, dynamic=False)
     if family == "v3":
         cache = transformers.StaticCache(config=model.config, max_cache_len=CONTEXT)
         pos = torch.tensor([CONTEXT - 1], device=device)
-        return lambda: model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
-    return lambda: model(input_ids=ids, use_cache=False).logits
+        step = lambda: forward(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits  # noqa: E731
+    else:
+        step = lambda: forward(input_ids=ids, use_cache=False).logits  # noqa: E731
+    if backend is None:
+        return step, ""
+    try:
+        with torch.no_grad():
+            step()  # compiles here, outside any timing or capture
+        return step, ""
+    except Exception as e:
+        torch._dynamo.reset()
+        eager, _ = _decode_step(model, family, batch, device)
+        return eager, f"eager (compile failed: {type(e).__name__})"
 
 
 def _time(fn, device, use_graph: bool, samples: int = 10, reps: int = 3) -> tuple[float, str]:
@@ -194,8 +214,9 @@ def _time(fn, device, use_graph: bool, samples: int = 10, reps: int = 3) -> tupl
 
 
 def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, prefills=PREFILLS,
-                   small: bool = False, samples: int = 10) -> list[dict]:
-    """Every row of one family (module docstring)."""
+                   small: bool = False, samples: int = 10, compile_backend: str | None = None) -> list[dict]:
+    """Every row of one family (module docstring); ``compile_backend``: the
+    decode steps compiled on that torch.compile backend (None: eager)."""
     import lowbit
     from lowbit.nn import Nvfp4Linear, Nvfp4MoE
     from lowbit.quantize import nvfp4_round_trip_
@@ -213,8 +234,10 @@ def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, pr
 
     def measure(provider):
         for b in batches:
-            t, note = _time(_decode_step(model, family, b, device), device, use_graph, samples)
-            times[provider, "decode", b], notes[provider, "decode", b] = t, note
+            step, step_note = _decode_step(model, family, b, device, compile_backend)
+            t, note = _time(step, device, use_graph, samples)
+            times[provider, "decode", b] = t
+            notes[provider, "decode", b] = "; ".join(n for n in (step_note, note) if n)
         for n in prefills:
             ids = prompt[:, :n]
             t, _ = _time(lambda ids=ids: model(input_ids=ids, use_cache=False).logits, device, False,
@@ -303,7 +326,7 @@ def run(hw: Hardware, quick: bool, out_dir: str = "."):
     for family in families:
         try:
             rows += measure_family(hw, family, "cuda", batches=(1, 64) if quick else BATCHES,
-                                   prefills=(2048,) if quick else PREFILLS)
+                                   prefills=(2048,) if quick else PREFILLS, compile_backend="inductor")
         except Exception as e:  # one family failing leaves the other's rows
             rows.append({"model": family, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         torch.cuda.empty_cache()
