@@ -207,6 +207,12 @@ fi
 # ---- tests ------------------------------------------------------------------
 start=$(date +%s)
 xdist=()
+verbosity=-q
+if [[ $WORKERS -le 1 ]]; then
+  # One process: -v writes each test's name as it starts, so a test that
+  # hangs (or a run stopped by a time limit) is named in tests.log.
+  verbosity=-v
+fi
 if [[ $WORKERS -gt 1 ]]; then
   # loadgroup: the tests of one xdist_group (conftest.py: AOTInductor
   # packages) on one worker; the rest spread test by test.
@@ -218,9 +224,9 @@ if [[ $WORKERS -gt 1 ]]; then
 fi
 export LOWBIT_CONCURRENCY_REPORT=$OUT/concurrency.md
 rm -f "$OUT/concurrency.md"
-test_cmd="bash run.sh test -q -p no:cacheprovider --durations=15 ${xdist[*]} $TESTS"
+test_cmd="bash run.sh test $verbosity -p no:cacheprovider --durations=15 ${xdist[*]} $TESTS"
 # shellcheck disable=SC2086
-bash run.sh test -q -p no:cacheprovider --durations=15 "${xdist[@]}" $TESTS >"$OUT/tests.log" 2>&1
+bash run.sh test $verbosity -p no:cacheprovider --durations=15 "${xdist[@]}" $TESTS >"$OUT/tests.log" 2>&1
 rc=$?
 # pytest's last line: "N passed, M skipped, K failed ... in S s"
 last=$(grep -E ' in [0-9.]+s' "$OUT/tests.log" | grep -E '[0-9]+ (passed|failed|error|skipped)' | tail -1)
