@@ -77,3 +77,11 @@ def test_bars():
     fp8 = next(r for r in rows if (r["routing"], r["M"], r["provider"]) == ("uniform", 4096, "lowbit:auto"))
     assert fp8["floor_us"] == pytest.approx(200) and fp8["%floor"] == pytest.approx(50)
     assert fp8["GB/s"] == pytest.approx(2e6 / 4e-4 / 1e9)
+
+
+def test_token_counts_from_shapes():
+    assert bench_moe.token_counts([(256,), (1024,)]) == [256, 1024]
+    with pytest.raises(ValueError, match=r"--shapes are token counts M >= 1"):
+        bench_moe.token_counts([(256, 7168)])
+    with pytest.raises(ValueError, match=r"--shapes are token counts M >= 1"):
+        bench_moe.token_counts([(0,)])

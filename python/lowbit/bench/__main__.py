@@ -3,8 +3,10 @@
 Each suite is a module lowbit.bench.<suite> with
 ``run(hw: Hardware, quick: bool) -> (rows, columns)``; the table is printed
 and the rows, with the measured hardware, written as JSON. ``--shapes``
-(suites whose run takes ``shapes``: fp8_train) measures those shapes
-instead of the suite's own, e.g. half of them per run.
+(suites whose run takes ``shapes``: fp8_train, (M, K, N) each; moe, token
+counts M) measures those shapes instead of the suite's own, e.g. half of
+them per run. Files a suite writes beside the table (bench model's plot)
+go to the --json file's folder.
 """
 
 from __future__ import annotations

@@ -401,14 +401,27 @@ def _finish(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run(hw: Hardware, quick: bool):
+def token_counts(shapes) -> list[int]:
+    """``--shapes "256;1024"``: the token counts M to run (every layer)."""
+    ms = []
+    for shape in shapes:
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"moe: --shapes are token counts M >= 1 separated by ';', got {tuple(shape)}")
+        ms.append(shape[0])
+    return ms
+
+
+def run(hw: Hardware, quick: bool, shapes=None):
+    """The suite; ``shapes`` (1-tuples of M, from --shapes) runs those token
+    counts on every layer (the quick layers with --quick)."""
+    ms = token_counts(shapes) if shapes else (QUICK_MS if quick else MS)
     has_moe = hasattr(torch.ops.lowbit, "nvfp4_moe") and hasattr(torch.ops.lowbit, "nvfp4_moe_prepack")
     if not has_moe:
         print("# torch.ops.lowbit.nvfp4_moe / nvfp4_moe_prepack are not in this build: timing the peer only")
     torch.cuda.empty_cache()
     rows = []
     for layer in QUICK_LAYERS if quick else LAYERS:
-        rows += bench_layer(hw, layer, QUICK_MS if quick else MS, has_moe)
+        rows += bench_layer(hw, layer, ms, has_moe)
     columns = ["layer", "routing", "M", "provider", "lowbit_us", "bf16_us", "x_bf16", "floor_us", "%floor", "GB/s",
                "active_experts", "rel_err", "bar"]
     return _finish(rows), columns
