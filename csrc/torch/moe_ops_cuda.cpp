@@ -25,13 +25,12 @@ namespace {
 // The align kernel keeps one int per expert in shared memory (48 KB).
 constexpr int64_t kMaxExperts = 12288;
 
-// The MoE with the choices `overrides` force (none for the public op).
-at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                            const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
-                            const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
-                            c10::optional<double> swiglu_limit, const nvfp4::moe::MoePlanOverrides& overrides) {
-  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
-  check_supported_gpu(x, "nvfp4_moe");
+// The W4A16 kernels on checked inputs (check_moe, check_supported_gpu),
+// with the choices `overrides` force (none for the public op).
+at::Tensor moe_w4a16_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                          const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                          const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                          c10::optional<double> swiglu_limit, const nvfp4::moe::MoePlanOverrides& overrides) {
   TORCH_CHECK_VALUE(w13.size(0) <= kMaxExperts, "lowbit.nvfp4_moe: argument 'w13' may hold at most ", kMaxExperts,
                     " experts on CUDA, got ", w13.size(0));
   c10::cuda::CUDAGuard guard(x.device());
@@ -52,6 +51,17 @@ at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights,
       at::empty({nvfp4::moe::moe_workspace_bytes(a, overrides)}, x.options().dtype(at::kByte));
   C10_CUDA_CHECK(nvfp4::moe::moe_cuda(a, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream(), overrides));
   return out;
+}
+
+// The W4A16 kernels with the choices `overrides` force (_nvfp4_moe_with_plan).
+at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_global,
+                            const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_global,
+                            c10::optional<double> swiglu_limit, const nvfp4::moe::MoePlanOverrides& overrides) {
+  check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
+  check_supported_gpu(x, "nvfp4_moe");
+  return moe_w4a16_cuda(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit,
+                        overrides);
 }
 
 // The FP8 path on checked inputs (M > 0). Each expert's rows form one group
@@ -120,13 +130,14 @@ at::Tensor moe_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const a
                     c10::optional<double> swiglu_limit, int64_t fp8_min_rows,
                     const c10::optional<at::Tensor>& w13_fp8, const c10::optional<at::Tensor>& w13_fp8_scale,
                     const c10::optional<at::Tensor>& w2_fp8, const c10::optional<at::Tensor>& w2_fp8_scale) {
+  // Checked once here for both paths.
   check_moe(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global, swiglu_limit, true);
   check_moe_fp8(x, w13, fp8_min_rows, w13_fp8, w13_fp8_scale, w2_fp8, w2_fp8_scale);
-  if (!moe_uses_fp8(x.size(0), fp8_min_rows)) {
-    return moe_cuda_planned(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
-                            swiglu_limit, {});
-  }
   check_supported_gpu(x, "nvfp4_moe");
+  if (!moe_uses_fp8(x.size(0), fp8_min_rows)) {
+    return moe_w4a16_cuda(x, topk_weights, topk_ids, w13, w13_scale, w13_global, w2, w2_scale, w2_global,
+                          swiglu_limit, {});
+  }
   TORCH_CHECK_VALUE(topk_ids.size(1) <= nvfp4::moe::kMaxFp8Slots, "lowbit.nvfp4_moe: the FP8 path on CUDA takes at "
                     "most ", nvfp4::moe::kMaxFp8Slots, " experts per token, got 'topk_ids' of shape ", topk_ids.sizes());
   c10::cuda::CUDAGuard guard(x.device());
