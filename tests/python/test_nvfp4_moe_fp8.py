@@ -44,6 +44,15 @@ def run_fp8(exp, x, w, ids, limit=None, fp8_min_rows=1, form=None):
     return lowbit.nvfp4_moe(x, w, ids, *exp.args(), limit, fp8_min_rows, *form)
 
 
+def small_case(seed, M):
+    """4 experts of H = 144, I = 48 with their E4M3 form, M tokens routed to 2."""
+    gen = torch.Generator().manual_seed(seed)
+    exp = Experts(4, 144, 48, gen)
+    x = random_x(M, 144, torch.bfloat16, gen)
+    w, ids = random_routing(M, 4, 2, gen)
+    return gen, exp, fp8_form(exp), x, w, ids
+
+
 def reference(exp, x, w, ids, limit=None, drop_invalid=False):
     return ref.fp8_moe(x, w, ids, values(exp.q13), exp.q13.global_scale, values(exp.q2), exp.q2.global_scale,
                        limit, drop_invalid)
@@ -108,11 +117,7 @@ def test_empty_batch_and_uint8_codes():
 
 
 def test_bad_fp8_arguments_raise_clear_errors():
-    gen = torch.Generator().manual_seed(5)
-    exp = Experts(4, 144, 48, gen)
-    form = fp8_form(exp)
-    x = random_x(3, 144, torch.bfloat16, gen)
-    w, ids = random_routing(3, 4, 2, gen)
+    gen, exp, form, x, w, ids = small_case(5, 3)
     args = (x, w, ids, *exp.args(), None)
     with pytest.raises(ValueError, match=r"'fp8_min_rows' must be >= 0"):
         lowbit.nvfp4_moe(*args, -1)
@@ -136,11 +141,7 @@ def test_bad_fp8_arguments_raise_clear_errors():
 
 
 def test_opcheck():
-    gen = torch.Generator().manual_seed(6)
-    exp = Experts(4, 144, 48, gen)
-    form = fp8_form(exp)
-    x = random_x(5, 144, torch.bfloat16, gen)
-    w, ids = random_routing(5, 4, 2, gen)
+    _, exp, form, x, w, ids = small_case(6, 5)
     torch.library.opcheck(torch.ops.lowbit.nvfp4_moe_to_fp8.default, exp.args())
     # float8 inputs: every test but test_schema, which compares inputs with
     # allclose (no float8 kernel); uint8 codes: all four.
