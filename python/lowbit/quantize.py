@@ -48,7 +48,8 @@ def quantize_(
       routed experts and shared expert in one module, so the Linear layers
       of its shared expert go with it), computing as ``compute`` says
       (``"auto"``: the FP8 path from
-      ``lowbit.nn.moe.AUTO_MOE_FP8_MIN_ROWS`` tokens; with ``"auto"`` or
+      ``lowbit.nn.moe.AUTO_MOE_FP8_ROWS_PER_EXPERT`` routed rows per expert
+      on average; with ``"auto"`` or
       ``"fp8"`` the experts' FP8 form is made here, 1 byte a weight more;
       see :class:`lowbit.nn.Nvfp4MoE`; the deprecated ``fp8_min_rows``
       n > 0 gives them ``"auto"`` at their own threshold). Blocks whose

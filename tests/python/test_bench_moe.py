@@ -8,7 +8,6 @@ import torch
 
 from lowbit.bench import moe as bench_moe
 from lowbit.bench.harness import Hardware
-from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
 
 HW = Hardware("test", 132, 1 << 20, 3e12, 800e12, 1600e12)
 PROVIDERS = ["lowbit", "lowbit:auto", "lowbit:fp8"]
@@ -30,7 +29,8 @@ def test_dry_run_rows_per_provider(monkeypatch):
         return 1e-3 if what.endswith("bf16 peer") else 4e-4
 
     monkeypatch.setattr(bench_moe, "_time", fake_time)
-    ms = [1, AUTO_MOE_FP8_MIN_ROWS]
+    ms = [1, bench_moe.fp8_min_rows("lowbit:auto", 4, 2)]  # 32 rows per expert: 64 tokens
+    assert ms[1] == 64
     cases = bench_moe.bench_layer(HW, "toy", ms, has_moe=True, device="cpu")
     rows = bench_moe._finish(cases)
     assert len(rows) == 3 * len(ms) * len(bench_moe.ROUTINGS)
@@ -54,7 +54,8 @@ def test_dry_run_rows_per_provider(monkeypatch):
 
 def case(routing, m, times, bf16_s=1e-3):
     return {"layer": "L", "routing": routing, "M": m, "active": 4.0, "n_sets": 2, "bytes": 1e6, "bytes_fp8": 2e6,
-            "floor_s": 1e-4, "floor_fp8_s": 2e-4, "bf16_s": bf16_s, "lowbit_s": times, "rel_err": {}}
+            "floor_s": 1e-4, "floor_fp8_s": 2e-4, "bf16_s": bf16_s, "lowbit_s": times, "rel_err": {},
+            "fp8_min_rows": {"lowbit": 0, "lowbit:auto": 1024, "lowbit:fp8": 1}}
 
 
 def test_bars():

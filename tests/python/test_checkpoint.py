@@ -24,7 +24,7 @@ import torch
 
 import lowbit
 from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear, Nvfp4MoE
-from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
+from lowbit.nn.moe import auto_moe_fp8_min_rows
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -126,9 +126,9 @@ def quantized_reference(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return lowbit.quantize_(ref.to(device).eval(), not_lm_head, progress=False)
 
 
-def logits(model: torch.nn.Module, device: str) -> torch.Tensor:
+def logits(model: torch.nn.Module, device: str, shape=(2, 24)) -> torch.Tensor:
     torch.manual_seed(7)
-    ids = torch.randint(0, VOCAB, (2, 24)).to(device)
+    ids = torch.randint(0, VOCAB, shape).to(device)
     with torch.no_grad():
         return model(ids).logits
 
@@ -208,16 +208,19 @@ def test_compute_reaches_the_linear_and_moe_layers(tmp_path):
     plain = lowbit.load_pretrained(tmp_path, device="cpu", progress=False)
     assert all(m.weight_fp8 is None for m in plain.modules() if isinstance(m, Nvfp4Linear))
     assert all(m.w13_fp8 is None for m in plain.modules() if isinstance(m, Nvfp4MoE))
-    # Decode-sized inputs run W4A16 under "auto": the same logits.
-    torch.testing.assert_close(logits(loaded, "cpu"), logits(plain, "cpu"), rtol=0, atol=0)
+    # Decode-sized inputs run W4A16 under "auto": the same logits. (16
+    # tokens: below every "auto" threshold, the MoE's 32 rows per expert
+    # being at least 32 tokens.)
+    torch.testing.assert_close(logits(loaded, "cpu", (1, 16)), logits(plain, "cpu", (1, 16)), rtol=0, atol=0)
     with pytest.raises(ValueError, match="lowbit.load_pretrained: compute must be 'w4a16', 'auto' or 'fp8'"):
         lowbit.load_pretrained(tmp_path, device="cpu", progress=False, compute="fp4")
     # The deprecated fp8_min_rows: compute="auto" from that many rows.
     with pytest.deprecated_call(match="fp8_min_rows is deprecated"):
         loaded = lowbit.load_pretrained(tmp_path, device="cpu", progress=False, fp8_min_rows=512)
     assert {(m.compute, m._fp8_rows) for m in loaded.modules() if isinstance(m, Nvfp4Linear)} == {("auto", 512)}
+    # A Linear's row count is not the experts' threshold: each MoE keeps its own.
     assert {(m.compute, m._fp8_rows) for m in loaded.modules() if isinstance(m, Nvfp4MoE)} == \
-        {("auto", AUTO_MOE_FP8_MIN_ROWS)}  # a Linear's row count is not the experts' threshold
+        {("auto", auto_moe_fp8_min_rows(m.n_experts, m.k)) for m in loaded.modules() if isinstance(m, Nvfp4MoE)}
 
 
 def _write_and_load(tmp_path, state, model, **kwargs):

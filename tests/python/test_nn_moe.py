@@ -27,7 +27,7 @@ import lowbit
 import moe_reference as ref
 import nvfp4_reference as nvref
 from lowbit.nn import Nvfp4MoE
-from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
+from lowbit.nn.moe import auto_moe_fp8_min_rows
 
 TOL = 5e-3
 
@@ -504,7 +504,8 @@ def test_compute_modes_match_the_op(shared_i):
     gen = torch.Generator().manual_seed(121)
     w4, fp8, auto = (small_moe(shared_i, c) for c in ("w4a16", "fp8", "auto"))
     assert (w4.compute, fp8.compute, auto.compute) == ("w4a16", "fp8", "auto")
-    assert (w4._fp8_rows, fp8._fp8_rows, auto._fp8_rows) == (0, 1, AUTO_MOE_FP8_MIN_ROWS)
+    auto_rows = auto_moe_fp8_min_rows(auto.n_experts, auto.k)
+    assert (w4._fp8_rows, fp8._fp8_rows, auto._fp8_rows) == (0, 1, auto_rows)
     assert all(getattr(w4, n) is None for n in FP8_NAMES)  # "w4a16" holds no FP8 form
     want8 = fp8_form(w4)
     assert_fp8_form(fp8, want8)
@@ -521,20 +522,20 @@ def test_compute_modes_match_the_op(shared_i):
         assert w4.shared_gate_up.weight_fp8 is None
     assert "compute" not in repr(w4)
     assert "compute=fp8" in repr(fp8) and "compute=auto" in repr(auto)
-    for m in (1, 7, AUTO_MOE_FP8_MIN_ROWS - 1, AUTO_MOE_FP8_MIN_ROWS):
+    for m in (1, 7, auto_rows - 1, auto_rows):
         x = torch.randn(m, SMALL["H"], generator=gen).bfloat16()
         y4, y8, ya = w4(x), fp8(x), auto(x)
         assert torch.equal(y4, op_output(w4, x))  # as before the knob: no FP8 arguments
         assert torch.equal(y8, op_output(fp8, x, 1, *want8))
-        assert torch.equal(ya, op_output(auto, x, AUTO_MOE_FP8_MIN_ROWS, *want8))
+        assert torch.equal(ya, op_output(auto, x, auto_rows, *want8))
         if shared_i in (None, I):  # (unfused, the shared Linears switch at their own threshold)
-            assert torch.equal(ya, y8 if m >= AUTO_MOE_FP8_MIN_ROWS else y4)
+            assert torch.equal(ya, y8 if m >= auto_rows else y4)
         assert rel_err(y8, y4) <= 9e-2  # the FP8 path's extra rounding (test_nvfp4_moe_fp8.py)
     # The setter makes and drops the form; _set_compute takes another threshold.
     w4.compute = "fp8"
     assert_fp8_form(w4, want8)
     w4._set_compute("auto", 8)
-    assert "compute=auto (FP8 from 8 rows)" in repr(w4)
+    assert "compute=auto (FP8 from 8 tokens)" in repr(w4)
     for m in (7, 8):
         x = torch.randn(m, SMALL["H"], generator=gen).bfloat16()
         assert torch.equal(w4(x), op_output(w4, x, 8, *want8))
@@ -590,7 +591,8 @@ def test_quantize_compute_reaches_the_moe():
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, 0.05)
-    for compute, rows in (("auto", AUTO_MOE_FP8_MIN_ROWS), ("fp8", 1), ("w4a16", 0)):
+    for compute, rows in (("auto", auto_moe_fp8_min_rows(cfg.n_routed_experts, cfg.num_experts_per_tok)), ("fp8", 1),
+                          ("w4a16", 0)):
         model = torch.nn.Sequential(copy.deepcopy(block).bfloat16())
         lowbit.quantize_(model, compute=compute, progress=False)
         moe = model[0]
@@ -612,7 +614,8 @@ def test_compile_auto_one_graph_no_graph_break():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(mod, backend=counter, fullgraph=True, dynamic=True)
     with size_oblivious:
-        for m in (1, 5, AUTO_MOE_FP8_MIN_ROWS - 1, AUTO_MOE_FP8_MIN_ROWS):
+        rows = auto_moe_fp8_min_rows(mod.n_experts, mod.k)
+        for m in (1, 5, rows - 1, rows):
             x = torch.randn(m, SMALL["H"]).bfloat16()
             assert torch.equal(compiled(x), mod(x))
             if m == 1:

@@ -32,8 +32,9 @@ sanity check of the kernel (the tests are the correctness check).
 Providers ("provider" column), each against the same peer times:
   lowbit        nvfp4_moe as Nvfp4MoE's compute="w4a16" runs it (W4A16).
   lowbit:auto   compute="auto": the experts' E4M3 form (nvfp4_moe_to_fp8,
-                made once) passed with fp8_min_rows =
-                lowbit.nn.moe.AUTO_MOE_FP8_MIN_ROWS, so the op runs W4A16
+                made once) passed with the layer's fp8_min_rows as
+                Nvfp4MoE sets it (lowbit.nn.moe.auto_moe_fp8_min_rows: 32
+                routed rows per expert on average), so the op runs W4A16
                 below that many tokens and the FP8 path from it.
   lowbit:fp8    compute="fp8": the FP8 path at every M (fp8_min_rows = 1).
 
@@ -82,7 +83,7 @@ import torch.nn.functional as F
 
 import lowbit
 from lowbit.bench.harness import Hardware, rotation_count, time_calls
-from lowbit.nn.moe import AUTO_MOE_FP8_MIN_ROWS
+from lowbit.nn.moe import auto_moe_fp8_min_rows
 
 # name: (H, E routed, k, I, swiglu_limit); one shared expert of the same I
 LAYERS = {
@@ -100,14 +101,20 @@ MAX_SETS = 8
 CHUNK_BYTES = 1 << 30  # BF16 bytes of experts generated and quantized at once
 REL_ERR_WARN = 2e-2  # BF16 rounding of the intermediates gives ~5e-3
 FP8_REL_ERR_WARN = 1e-1  # the FP8 path's E4M3 x, weights and activations: ~7e-2
-# provider: fp8_min_rows of nvfp4_moe (0: W4A16, no FP8 form passed)
-PROVIDERS = {"lowbit": 0, "lowbit:auto": AUTO_MOE_FP8_MIN_ROWS, "lowbit:fp8": 1}
+PROVIDERS = ("lowbit", "lowbit:auto", "lowbit:fp8")
 AUTO_BAR_M, AUTO_BAR_X = 4096, 2.0  # issue 42: "auto" >= 2.0x the BF16 MoE at M = 4096
 
 
-def runs_fp8(provider: str, m: int) -> bool:
-    """Whether ``provider``'s call at M = ``m`` takes the FP8 path."""
-    return 0 < PROVIDERS[provider] <= m
+def fp8_min_rows(provider: str, n_experts: int, k: int) -> int:
+    """nvfp4_moe's fp8_min_rows for ``provider`` on a layer of ``n_experts``
+    routed experts, ``k`` per token (0: W4A16, no FP8 form passed)."""
+    return auto_moe_fp8_min_rows(n_experts, k) if provider == "lowbit:auto" else int(provider == "lowbit:fp8")
+
+
+def runs_fp8(provider: str, row: dict) -> bool:
+    """Whether ``provider``'s call on ``row`` (a case of bench_layer) takes
+    the FP8 path."""
+    return 0 < row["fp8_min_rows"][provider] <= row["M"]
 
 
 def bf16_grouped_moe(
@@ -259,7 +266,7 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
             "floor_s": sum(hw.floor_s(s["bytes"], flops) for s in sets) / len(sets),
             "bytes_fp8": sum(s["bytes_fp8"] for s in sets) / len(sets),
             "floor_fp8_s": sum(hw.floor_s(s["bytes_fp8"], flops, fp8=True) for s in sets) / len(sets),
-            "lowbit_s": {}, "rel_err": {},
+            "lowbit_s": {}, "rel_err": {}, "fp8_min_rows": {p: fp8_min_rows(p, E, k) for p in PROVIDERS},
         })
 
     # Phase 1: BF16 weights (dequantized NVFP4) and the peer.
@@ -308,7 +315,7 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
         for row in rows:
             sets = row["sets"]
             for provider in providers:
-                min_rows = PROVIDERS[provider]
+                min_rows = row["fp8_min_rows"][provider]
                 extra = (min_rows, *fp8) if min_rows else ()  # "lowbit": the call as before, no FP8 form
 
                 def ours(i, sets=sets, extra=extra):
@@ -323,7 +330,7 @@ def bench_layer(hw: Hardware, layer: str, ms: list[int], has_moe: bool, device: 
                         ref = row["ref"].float()
                         err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                         row["rel_err"][provider] = err
-                        warn = FP8_REL_ERR_WARN if runs_fp8(provider, row["M"]) else REL_ERR_WARN
+                        warn = FP8_REL_ERR_WARN if runs_fp8(provider, row) else REL_ERR_WARN
                         if not err < warn:
                             print(f"# {what}: rel_err {err:.3g} against the BF16 peer (expected < {warn})")
                         del ref
@@ -357,7 +364,7 @@ def _bar(row: dict, provider: str, uniform_s: float | None) -> str:
         if ratio > 2.0:
             fails.append(f"{ratio:.2f}x uniform")
     elif m <= 64 and provider != "lowbit:fp8":
-        floor = row["floor_fp8_s"] if runs_fp8(provider, m) else row["floor_s"]
+        floor = row["floor_fp8_s"] if runs_fp8(provider, row) else row["floor_s"]
         pct = 100 * floor / ours
         if pct < 70:
             fails.append(f"%floor {pct:.0f}<70")
@@ -380,7 +387,7 @@ def _finish(rows: list[dict]) -> list[dict]:
     for r in rows:
         for provider in PROVIDERS:
             ours, peer = r["lowbit_s"].get(provider), r.get("bf16_s")
-            fp8 = runs_fp8(provider, r["M"])
+            fp8 = runs_fp8(provider, r)
             floor_s, nbytes = (r["floor_fp8_s"], r["bytes_fp8"]) if fp8 else (r["floor_s"], r["bytes"])
             row = {"layer": r["layer"], "routing": r["routing"], "M": r["M"], "provider": provider,
                    "active_experts": r["active"], "n_sets": r["n_sets"], "bytes": nbytes}

@@ -22,7 +22,8 @@ that path rounds twice more: the gate/up output and the sum).
 the experts' arithmetic as :class:`lowbit.nn.Nvfp4Linear`'s does: ``"w4a16"``
 (the default), ``"fp8"`` (every call on the experts' E4M3 form: x and the
 SwiGLU output rounded to E4M3 per row, FP8 tensor cores) or ``"auto"`` (the
-FP8 path from ``AUTO_MOE_FP8_MIN_ROWS`` tokens, W4A16 below; chosen inside
+FP8 path from ``AUTO_MOE_FP8_ROWS_PER_EXPERT`` (32) routed rows per expert on
+average, i.e. from ``ceil(32 E / k)`` tokens, W4A16 below; chosen inside
 :func:`lowbit.nvfp4_moe`, so one graph serves every token count). An
 unfused shared expert (its Nvfp4Linear layers) gets the same mode, with the
 Linear's own ``"auto"`` threshold. With ``"auto"`` or ``"fp8"`` the module
@@ -64,10 +65,12 @@ from ._format_dtypes import KeepsDtypes
 from .linear import Nvfp4Linear, resolve_compute
 from .router import Router
 
-# compute="auto": the experts' FP8 path from this many tokens (rows of x).
-# Provisional: to be measured on an H100 with `python -m lowbit.bench moe`
-# (its lowbit:auto / lowbit:fp8 rows against W4A16) and set where FP8 wins.
-AUTO_MOE_FP8_MIN_ROWS = 1024
+# compute="auto": the experts' FP8 path from this many routed rows per
+# expert on average (tokens x k / E). bench moe on an H100 (docs/perf/log/
+# moe.md, "MoE v13"): FP8 won every layer and routing from 32 rows per expert
+# (DSV3 at 1024 tokens, DSV4-Pro at 2048), lost at 16 (DSV4-Pro at 1024:
+# 10.1 against W4A16's 8.3 ms) and split at 24 (DSV4-Flash at 1024).
+AUTO_MOE_FP8_ROWS_PER_EXPERT = 32
 _FP8_BUFFERS = ("w13_fp8", "w13_fp8_scale", "w2_fp8", "w2_fp8_scale")
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -166,11 +169,15 @@ def _scalar_global(t: object, where: str, arg: str) -> Tensor:
     return t.detach().float().reshape(())
 
 
-def resolve_moe_compute(where: str, compute: str) -> tuple[str, int]:
-    """(compute mode, fp8_min_rows for lowbit.nvfp4_moe), or ValueError
-    naming ``where`` and the argument."""
-    mode, _ = resolve_compute(where, compute, None)
-    return mode, {"w4a16": 0, "auto": AUTO_MOE_FP8_MIN_ROWS, "fp8": 1}[mode]
+def resolve_moe_compute(where: str, compute: str) -> str:
+    """The compute mode, or ValueError naming ``where`` and the argument."""
+    return resolve_compute(where, compute, None)[0]
+
+
+def auto_moe_fp8_min_rows(n_experts: int, k: int) -> int:
+    """The token count from which ``compute="auto"`` runs the experts' FP8
+    path: AUTO_MOE_FP8_ROWS_PER_EXPERT routed rows per expert on average."""
+    return -(-AUTO_MOE_FP8_ROWS_PER_EXPERT * n_experts // k)
 
 
 def _split_triplet(t: object, where: str, arg: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -284,7 +291,7 @@ class Nvfp4MoE(KeepsDtypes):
         # "w4a16"): derived from the buffers above, so not in state_dict.
         for name in _FP8_BUFFERS:
             self.register_buffer(name, None, persistent=False)
-        self._set_compute(*compute_mode)
+        self._set_compute(compute_mode)
 
     # ---- compute mode -----------------------------------------------------
 
@@ -296,12 +303,16 @@ class Nvfp4MoE(KeepsDtypes):
 
     @compute.setter
     def compute(self, value: str) -> None:
-        self._set_compute(*resolve_moe_compute("Nvfp4MoE", value))
+        self._set_compute(resolve_moe_compute("Nvfp4MoE", value))
 
-    def _set_compute(self, mode: str, fp8_min_rows: int) -> None:
-        # Checked when set, not at the next forward. fp8_min_rows: what the
-        # op gets (0 for "w4a16", 1 for "fp8", the threshold for "auto").
-        self._compute, self._fp8_rows = mode, fp8_min_rows
+    def _set_compute(self, mode: str, fp8_min_rows: int | None = None) -> None:
+        # Checked when set, not at the next forward. _fp8_rows: the op's
+        # fp8_min_rows (0 for "w4a16", 1 for "fp8", the threshold for "auto":
+        # this layer's by default, or the one given).
+        self._compute = mode
+        if fp8_min_rows is None:
+            fp8_min_rows = auto_moe_fp8_min_rows(self.n_experts, self.k) if mode == "auto" else int(mode == "fp8")
+        self._fp8_rows = fp8_min_rows
         for layer in (self.shared_gate_up, self.shared_down):
             if layer is not None:
                 layer.compute = mode  # a Linear's "auto" threshold is its own
@@ -457,7 +468,7 @@ class Nvfp4MoE(KeepsDtypes):
                     Nvfp4Linear.from_checkpoint(*nvfp4_quantize(shared_down_proj.detach())).state_dict()
                 )
             mod._load_router(router_weight.detach(), e_score_correction_bias, tid2eid, where)
-        mod._set_compute(*compute_mode)  # the FP8 form from the experts just loaded
+        mod._set_compute(compute_mode)  # the FP8 form from the experts just loaded
         return mod
 
     @classmethod
@@ -534,7 +545,7 @@ class Nvfp4MoE(KeepsDtypes):
     def _from_experts(
         cls, where: str, h: int, i: int, n_experts: int, expert: Callable[[int], tuple[Tensor, ...]],
         device: torch.device, shared: tuple, router_weight: Tensor, e_score_correction_bias: Tensor | None,
-        routing: dict, compute_mode: tuple[str, int],
+        routing: dict, compute_mode: str,
     ) -> "Nvfp4MoE":
         """The module from checked ModelOpt tensors, ``expert(e)`` giving
         expert e's (w13 [2I, H/2], w13 scale codes, global [], w2 [H, I/2],
@@ -582,7 +593,7 @@ class Nvfp4MoE(KeepsDtypes):
                 mod.shared_down.load_state_dict(Nvfp4Linear.from_modelopt(dw, ds, dg).state_dict())
             mod._load_router(router_weight.detach().to(mod.router.weight.device), e_score_correction_bias,
                              routing["tid2eid"], where)
-        mod._set_compute(*compute_mode)  # the FP8 form from the experts just loaded
+        mod._set_compute(compute_mode)  # the FP8 form from the experts just loaded
         return mod
 
     @staticmethod
@@ -826,10 +837,10 @@ class Nvfp4MoE(KeepsDtypes):
             how = f"fused as expert {self.n_experts}" if self.shared_fused else "separate Nvfp4Linear"
             shared = f"{self.shared_intermediate_size} ({how})"
         compute = ""
-        if self._compute == "fp8" or (self._compute == "auto" and self._fp8_rows == AUTO_MOE_FP8_MIN_ROWS):
-            compute = f", compute={self._compute}"
+        if self._compute == "fp8":
+            compute = ", compute=fp8"
         elif self._compute == "auto":
-            compute = f", compute=auto (FP8 from {self._fp8_rows} rows)"
+            compute = f", compute=auto (FP8 from {self._fp8_rows} tokens)"
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"n_experts={self.n_experts}, k={self.k}, mode={self.mode}, swiglu_limit={self.swiglu_limit}, "
