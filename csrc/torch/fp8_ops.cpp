@@ -297,14 +297,16 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
                           const at::Tensor& amax_history, const Recipe& r, bool save_x_t, bool save_w_t,
                           const ForwardExtras& e) {
   if (e.x_scale.has_value()) {
-    // x is the FP8 output of the layer before (fp8_out): its codes and
-    // scales under this recipe's activation scaling, and no transposed copy,
-    // so no weight gradient can be formed from it.
+    // x already in FP8 (an fp8_out of the layer before, or x all-gathered
+    // in FP8): its codes and scales under this recipe's activation scaling.
+    // Its transposed copy for the weight gradient is its codes transposed
+    // when one scale covers x; row or block scales of x^T run along the
+    // tokens, which the codes of x cannot give.
     check_dims(x, kForward, "x", {2});
     check_fp8_operand(x, *e.x_scale, x, "x", x.sym_sizes(), r.activation(), kForward, "x", "x_scale");
-    TORCH_CHECK_VALUE(!save_x_t, "lowbit.", kForward,
-                      ": an FP8 'x' (with 'x_scale') has no transposed copy for the weight gradient: save_x_t must "
-                      "be False");
+    TORCH_CHECK_VALUE(!save_x_t || r.activation() == Scaling::kTensor, "lowbit.", kForward,
+                      ": an FP8 'x' (with 'x_scale') scaled per row or block has no transposed copy for the weight "
+                      "gradient: save_x_t must be False");
   } else {
     check_float_input(x, kForward, "x");
   }
@@ -334,12 +336,14 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
   TORCH_CHECK_VALUE(e.w_fp8.has_value() == e.w_fp8_scale.has_value(), "lowbit.", kForward,
                     ": arguments 'w_fp8' and 'w_fp8_scale' must be given together");
   if (e.w_fp8.has_value()) {
-    // The weight cache (fp8_linear_cache_weight): the caller holds W's
-    // transposed copy too, so none is returned.
+    // W already in FP8: the weight cache (fp8_linear_cache_weight, whose
+    // caller holds W's transposed copy too) or W all-gathered in FP8. With
+    // one scale for W its transposed copy is its codes transposed.
     check_fp8_operand(*e.w_fp8, *e.w_fp8_scale, x, "x", weight.sym_sizes(), r.weight(), kForward, "w_fp8",
                       "w_fp8_scale");
-    TORCH_CHECK_VALUE(!save_w_t, "lowbit.", kForward,
-                      ": with a cached W ('w_fp8') the caller holds its transposed copy: save_w_t must be False");
+    TORCH_CHECK_VALUE(!save_w_t || r.weight() == Scaling::kTensor, "lowbit.", kForward,
+                      ": an FP8 W ('w_fp8') scaled per row or block has no transposed copy for the input gradient: "
+                      "save_w_t must be False");
   }
   check_history(amax_history, x, r, kForward);
 }
@@ -437,13 +441,16 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
   }
   const auto f32 = x.options().dtype(at::kFloat), q = x.options().dtype(at::kFloat8_e4m3fn);
   // An operand given in FP8 is not cast: its data and scales are used as
-  // they are, and it has no transposed copy to return.
-  auto given = [&](const at::Tensor& data, const at::Tensor& scale) {
-    return CastOut{data.contiguous(), scale.contiguous(), at::empty({0}, q), at::empty({0}, f32), at::Tensor()};
+  // they are; its transposed copy, where asked for (one scale: checked),
+  // is its codes transposed under the same scale.
+  auto given = [&](const at::Tensor& data, const at::Tensor& scale, bool transpose) {
+    const at::Tensor d = data.contiguous(), s = scale.contiguous();
+    return CastOut{d, s, transpose ? be.transpose_codes(d) : at::empty({0}, q),
+                   transpose ? s : at::empty({0}, f32), at::Tensor()};
   };
-  const CastOut cx = x_fp8 ? given(x, *e.x_scale)
+  const CastOut cx = x_fp8 ? given(x, *e.x_scale, save_x_t)
                            : be.cast(x.contiguous(), r.activation(), Format::kE4M3, save_x_t, sx, r.pow2);
-  const CastOut cw = w_cached ? given(*e.w_fp8, *e.w_fp8_scale)
+  const CastOut cw = w_cached ? given(*e.w_fp8, *e.w_fp8_scale, save_w_t)
                               : be.cast(weight.contiguous(), r.weight(), Format::kE4M3, save_w_t, sw, r.pow2);
   at::Tensor y = be.gemm(cx.data, cx.scale, cw.data, cw.scale, r.activation(), r.weight(), bias,
                          forward_out_dtype(x, e), e.fast_accum);
@@ -557,7 +564,10 @@ at::Tensor gemm_cpu_impl(const at::Tensor& a, const at::Tensor& scale_a, const a
   return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
 }
 
-const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_cpu_impl, &scale_from_amax_cpu};
+at::Tensor transpose_codes_cpu(const at::Tensor& codes) { return codes.t().contiguous(); }
+
+const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_cpu_impl, &scale_from_amax_cpu,
+                          &transpose_codes_cpu};
 
 CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {

@@ -97,6 +97,8 @@ struct Backend {
                      bool fast_accum);
   // scale_from_amax elementwise over a float32 tensor.
   at::Tensor (*scale_from_amax)(const at::Tensor& amax, float fmax, int64_t margin, bool pow2);
+  // FP8 codes [R, C] -> their transposed copy [C, R] (contiguous).
+  at::Tensor (*transpose_codes)(const at::Tensor& codes);
 };
 
 using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

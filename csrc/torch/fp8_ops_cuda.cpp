@@ -123,7 +123,21 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
   return y;
 }
 
-const Backend kCudaBackend{&cast_cuda_impl, &cast_into_cuda, &gemm_cuda_impl, &scale_from_amax_cuda};
+at::Tensor transpose_codes_cuda(const at::Tensor& codes) {
+  c10::cuda::CUDAGuard guard(codes.device());
+  const at::Tensor c = codes.contiguous();
+  const int64_t rows = c.size(0), cols = c.size(1);
+  TORCH_CHECK_VALUE(cols <= fp8::kMaxTransposeCols, "lowbit.fp8_linear_forward: an FP8 operand's transposed copy is made for at most ",
+                    fp8::kMaxTransposeCols, " columns, got ", cols);
+  at::Tensor out = at::empty({cols, rows}, c.options());
+  C10_CUDA_CHECK(fp8::transpose_codes_cuda(reinterpret_cast<const uint8_t*>(c.data_ptr()), rows, cols,
+                                           reinterpret_cast<uint8_t*>(out.data_ptr()),
+                                           c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+const Backend kCudaBackend{&cast_cuda_impl, &cast_into_cuda, &gemm_cuda_impl, &scale_from_amax_cuda,
+                           &transpose_codes_cuda};
 
 CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                     const c10::optional<at::Tensor>& scale, bool pow2_scales) {

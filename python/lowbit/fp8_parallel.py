@@ -238,12 +238,12 @@ class _Fp8GatherLinear(torch.autograd.Function):
         # Gathered as bytes: collectives move them whatever the backend
         # makes of FP8 dtypes.
         gathered = _all_gather(codes.view(torch.uint8), group).view(torch.float8_e4m3fn)
-        y, _, _, w_t, w_t_scale, _ = ops.fp8_linear_forward(
-            gathered, weight, bias, state, *recipe_args, save_x_t=False, save_w_t=needs_dx, x_scale=scale,
+        # Tensor scaling: x^T's codes are the gathered codes transposed (the
+        # op's transpose kernel), under the same scale.
+        y, x_t, x_t_scale, w_t, w_t_scale, _ = ops.fp8_linear_forward(
+            gathered, weight, bias, state, *recipe_args, save_x_t=needs_dw, save_w_t=needs_dx, x_scale=scale,
             out_dtype=x.dtype, fast_accum=fast_accum, x_amax=x_amax)
-        # Tensor scaling: x^T's codes are x's, transposed.
-        x_t = gathered.t().contiguous() if needs_dw else gathered.new_empty(0)
-        ctx.save_for_backward(x_t, scale, w_t, w_t_scale)
+        ctx.save_for_backward(x_t, x_t_scale, w_t, w_t_scale)
         ctx.state, ctx.recipe_args, ctx.group = state, recipe_args, group
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype

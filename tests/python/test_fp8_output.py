@@ -100,10 +100,50 @@ def test_scaling_mismatch_and_bad_inputs():
     data = torch.zeros(8, 272, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"'out_dtype' must be given when 'x' is FP8"):
         fwd(data, w, None, state, "tensorwise", save_x_t=False, x_scale=torch.ones(()))
-    with pytest.raises(ValueError, match=r"has no transposed copy for the weight gradient: save_x_t must be False"):
-        fwd(data, w, None, state, "tensorwise", x_scale=torch.ones(()), out_dtype=torch.bfloat16)
+    rowwise_x = torch.zeros(8, 160, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scaled per row or block has no transposed copy for the weight gradient: "
+                                         r"save_x_t must be False"):
+        fwd(rowwise_x, first.weight, None, first.fp8_state, "rowwise", x_scale=torch.ones(8), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scaled per row or block has no transposed copy for the input gradient: "
+                                         r"save_w_t must be False"):
+        fwd(x, first.weight, None, first.fp8_state, "rowwise", save_x_t=False,
+            w_fp8=torch.zeros(272, 160, dtype=torch.float8_e4m3fn), w_fp8_scale=torch.ones(272))
     with pytest.raises(ValueError, match=r"argument 'x_scale' must have shape \[\]"):
         fwd(data, w, None, state, "tensorwise", save_x_t=False, x_scale=torch.ones(8), out_dtype=torch.bfloat16)
+
+
+def fp8_operand(rows, cols, gen, device="cpu"):
+    """Random E4M3 codes (every byte pattern but NaN) and a tensor scale."""
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x11
+    return codes.view(torch.float8_e4m3fn).to(device), (torch.rand((), generator=gen) + 0.5).to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("m, k", [(8, 272), (130, 48), (64, 64), (37, 300), (1, 16), (0, 32)])
+def test_fp8_operands_give_their_codes_transposed(device, m, k):
+    # One scale for the tensor (tensorwise, delayed): an x or W given in FP8
+    # gets its transposed copy for the backward as its codes transposed,
+    # under the same scale (the x all-gathered in FP8 by lowbit.fp8_parallel
+    # and the FP8-gathered weights of FSDP2). Odd shapes take the CUDA
+    # kernel's byte path, multiples of 16 its 16-byte path.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    n = 96
+    xd, xs = fp8_operand(m, k, gen, device)
+    wd, ws = fp8_operand(n, k, gen, device)
+    weight = torch.randn(n, k, generator=gen).to(device, torch.bfloat16)  # not read: W is given in FP8
+    state = lowbit.fp8_state(Fp8Recipe("tensorwise"), device)
+    y, x_t, x_t_scale, w_t, w_t_scale, _ = torch.ops.lowbit.fp8_linear_forward(
+        xd, weight, None, state, "tensorwise", x_scale=xs, out_dtype=torch.bfloat16, w_fp8=wd, w_fp8_scale=ws)
+    assert torch.equal(x_t.view(torch.uint8).cpu(), xd.view(torch.uint8).cpu().t())
+    assert torch.equal(w_t.view(torch.uint8).cpu(), wd.view(torch.uint8).cpu().t())
+    assert x_t.is_contiguous() and w_t.is_contiguous()
+    assert x_t_scale.item() == xs.item() and w_t_scale.item() == ws.item()
+    want = ((xd.double() * xs.double()) @ (wd.double() * ws.double()).t()).to(torch.bfloat16)
+    scale = want.abs().amax().item() if want.numel() else 1.0
+    torch.testing.assert_close(y.cpu(), want.cpu(), rtol=1e-2, atol=1e-2 * max(1.0, scale))
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])

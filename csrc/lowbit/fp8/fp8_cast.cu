@@ -606,7 +606,70 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
   return a.format == Format::kE4M3 ? launch<T, Format::kE4M3>(a, stream) : launch<T, Format::kE5M2>(a, stream);
 }
 
+// ---- transpose of FP8 codes ----------------------------------------------
+// One 64 x 64 byte tile per CTA of 256 threads, through shared memory. Load:
+// 4 threads per input row (16 bytes each); store: 4 threads per output row
+// (16 input rows each), so both global sides move whole 32-byte sectors.
+// kVec: rows and cols multiples of 16 and both pointers 16-byte aligned
+// (16-byte loads and stores, a 16-byte chunk is either wholly inside or
+// wholly outside the tensor); otherwise byte by byte, bounds checked.
+constexpr int kTransposeTile = 64;
+constexpr int kTransposePitch = kTransposeTile + 16;  // 16-byte aligned rows
+
+template <bool kVec>
+__global__ void __launch_bounds__(256) transpose_codes_kernel(const uint8_t* __restrict__ in, int64_t rows,
+                                                              int64_t cols, uint8_t* __restrict__ out) {
+  __shared__ __align__(16) uint8_t tile[kTransposeTile][kTransposePitch];
+  const int64_t r0 = int64_t(blockIdx.x) * kTransposeTile, c0 = int64_t(blockIdx.y) * kTransposeTile;
+  const int lane_row = threadIdx.x / 4, chunk = (threadIdx.x % 4) * 16;
+  {
+    const int64_t r = r0 + lane_row, c = c0 + chunk;
+    if (kVec) {
+      if (r < rows && c < cols)
+        *reinterpret_cast<uint4*>(&tile[lane_row][chunk]) = *reinterpret_cast<const uint4*>(in + r * cols + c);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        if (r < rows && c + i < cols) tile[lane_row][chunk + i] = in[r * cols + c + i];
+    }
+  }
+  __syncthreads();
+  // Output row c0 + lane_row (input column), input rows r0 + chunk ... + 15.
+  const int64_t oc = c0 + lane_row, orow = r0 + chunk;
+  if (oc >= cols) return;
+  uint8_t v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = tile[chunk + i][lane_row];
+  if (kVec) {
+    if (orow < rows) {
+      uint4 packed;
+      memcpy(&packed, v, 16);
+      *reinterpret_cast<uint4*>(out + oc * rows + orow) = packed;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (orow + i < rows) out[oc * rows + orow + i] = v[i];
+  }
+}
+
 }  // namespace
+
+cudaError_t transpose_codes_cuda(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const int64_t tiles_r = (rows + kTransposeTile - 1) / kTransposeTile;
+  const int64_t tiles_c = (cols + kTransposeTile - 1) / kTransposeTile;
+  if (tiles_c > kMaxTransposeColTiles || tiles_r > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid{unsigned(tiles_r), unsigned(tiles_c)};
+  const bool vec = rows % 16 == 0 && cols % 16 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  if (vec) {
+    transpose_codes_kernel<true><<<grid, 256, 0, stream>>>(in, rows, cols, out);
+  } else {
+    transpose_codes_kernel<false><<<grid, 256, 0, stream>>>(in, rows, cols, out);
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t cast_cuda(const CastArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(a.amax, 0, sizeof(float), stream);

@@ -68,6 +68,13 @@ void scale_from_amax_cpu(const ScaleArgs& args);
 // owning whole 128 x 128 tiles.
 cudaError_t cast_cuda(const CastArgs& args, cudaStream_t stream);
 cudaError_t scale_from_amax_cuda(const ScaleArgs& args, cudaStream_t stream);
+// out [cols, rows] = in [rows, cols] transposed, one byte per element: the
+// transposed copy of FP8 codes that are already made (an FP8 operand whose
+// scale is one for the whole tensor, e.g. x all-gathered in FP8). Column
+// tiles of 64 run on the grid's y dimension: cols <= kMaxTransposeCols.
+constexpr int64_t kMaxTransposeColTiles = 65535;
+constexpr int64_t kMaxTransposeCols = kMaxTransposeColTiles * 64;
+cudaError_t transpose_codes_cuda(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::fp8
