@@ -14,6 +14,7 @@ missing or doubled collective is an error of the size of the result."""
 
 import copy
 import datetime
+import faulthandler
 import tempfile
 import time
 
@@ -52,9 +53,15 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
         torch.cuda.set_device(rank)
         DEV = torch.device("cuda", rank)
     # A collective that one rank never joins fails after the timeout
-    # instead of hanging (spawn's deadline stops the test either way).
+    # instead of hanging (spawn's deadline stops the test either way); a
+    # worker still running shortly before the deadline prints every
+    # thread's Python stack, so the failure report shows where it waits.
+    faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=False)
+    # NCCL: the communicator made here, bound to this rank's GPU, not lazily
+    # inside the first collective (which may be traced or captured).
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=SPAWN_DEADLINE_S / 2))
+                            world_size=world, timeout=datetime.timedelta(seconds=SPAWN_DEADLINE_S / 2),
+                            device_id=DEV if device == "cuda" else None)
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
         if "errors" in extras:
