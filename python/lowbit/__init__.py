@@ -28,6 +28,7 @@ from .fp8_training import (  # noqa: E402
 )
 from .checkpoint import load_checkpoint_, load_pretrained, save_pretrained  # noqa: E402
 from .fp8 import Fp8Activation, Fp8Recipe, fp8_cast, fp8_gemm, fp8_linear, fp8_state  # noqa: E402
+from .fp8_fsdp import enable_fsdp_fp8_all_gather  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "build_info",
     "convert_to_fp8_training",
     "dense_router",
+    "enable_fsdp_fp8_all_gather",
     "explain_plan",
     "fp8_cast",
     "fp8_gemm",

@@ -36,7 +36,7 @@ are bitwise the BF16 all-gather's. Rowwise and blockwise gather BF16: their
 weight gradient scales x^T along the tokens, across the ranks' shards, so
 x^T cannot be the gathered codes transposed.
 
-What is not here yet (issue 41): FSDP2 with FP8 weight all-gathers.
+FSDP2 with the weights all-gathered in FP8: lowbit.fp8_fsdp.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ def convert_to_fp8_training(
     progress: bool = True,
     tokens_hint: int | None = None,
     cache_weight: bool = False,
+    fsdp_fp8_all_gather: bool = False,
 ) -> nn.Module:
     """Replaces, in place, each ``nn.Linear`` of ``model`` (those computing
     ``x W^T + b``: subclasses with a ``forward`` of their own are left
@@ -194,10 +195,16 @@ def convert_to_fp8_training(
     :func:`fp8_training_plan` gives it as data without converting.
     ``model`` itself is never replaced (``Fp8Linear.from_linear`` converts
     a single layer). ``cache_weight`` gives every converted layer the FP8
-    weight cache (:func:`fp8_microbatch`). Returns ``model``."""
+    weight cache (:func:`fp8_microbatch`). ``fsdp_fp8_all_gather``: the
+    converted tensorwise layers' weights all-gathered in FP8 by FSDP2
+    (:func:`lowbit.enable_fsdp_fp8_all_gather`; convert before
+    ``fully_shard``). Returns ``model``."""
     from .nn.fp8_linear import Fp8Linear, resolve_recipe
 
     recipe = resolve_recipe(recipe, "convert_to_fp8_training")  # bad arguments leave the model as it was
+    if fsdp_fp8_all_gather and cache_weight:
+        raise ValueError("convert_to_fp8_training: fsdp_fp8_all_gather=True replaces the weight cache's cast of W "
+                         "(FSDP2 gathers W's FP8 codes): give cache_weight=False")
     plan = fp8_training_plan(model, filter_fn, policy, tokens_hint, recipe)
     todo = [c for c in plan if c.converted]
     for i, choice in enumerate(todo):
@@ -208,6 +215,10 @@ def convert_to_fp8_training(
             setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
         if progress:
             progress_bar("lowbit.convert_to_fp8_training", i + 1, len(todo), choice.names[0])
+    if fsdp_fp8_all_gather:
+        from .fp8_fsdp import enable_fsdp_fp8_all_gather
+
+        enable_fsdp_fp8_all_gather(model)
     summary = format_fp8_plan(plan)
     _log.info("%s", summary)
     if progress:

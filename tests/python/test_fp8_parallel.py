@@ -70,8 +70,12 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
             results["gather"] = _fp8_gather(rank, world)
         if "fsdp" in extras:
             results["fsdp"] = {r: _fsdp_steps(rank, world, r) for r in RECIPES}
+            # tensorwise with the weights all-gathered in FP8, eagerly and compiled
+            results["fsdp_fp8"] = {c: _fsdp_steps(rank, world, "tensorwise", fp8_gather=True, compiled=c)
+                                   for c in (False, True)}
         if "dcp" in extras:
             results["dcp"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint")
+            results["dcp_fp8"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint_fp8", "tensorwise", True)
         if "graphs" in extras:
             results["graphs"] = _reduce_overhead(rank, world)
         torch.save(_cpu(results), f"{out_dir}/{rank}.pt")
@@ -205,12 +209,14 @@ def _fsdp_model():
     return nn.Sequential(nn.Linear(K, H), nn.GELU(), nn.Linear(H, K))
 
 
-def _sharded(recipe, world):
+def _sharded(recipe, world, fp8_gather=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = _fsdp_model().to(DEV)
     lowbit.convert_to_fp8_training(model, recipe=recipe, policy="all", progress=False)
+    if fp8_gather:
+        assert lowbit.enable_fsdp_fp8_all_gather(model) == 2
     mesh = init_device_mesh(DEV.type, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
@@ -228,16 +234,17 @@ def _train(model, rank, world, steps, seed):
         lowbit.fp8_sync_amax(model)  # one history on every rank
 
 
-def _dcp_round_trip(rank, world, path):
-    """Delayed scaling under FSDP2: two steps, a torch.distributed.checkpoint
-    save of the model and its amax histories, a fresh model loaded from it,
-    then one more step on both."""
+def _dcp_round_trip(rank, world, path, recipe="delayed", fp8_gather=False):
+    """A recipe under FSDP2 (delayed: its amax histories in the checkpoint;
+    tensorwise with fp8_gather: the FP8-gathered weights' wrapper): two
+    steps, a torch.distributed.checkpoint save of the model and its FP8
+    state, a fresh model loaded from it, then one more step on both."""
     import torch.distributed.checkpoint as dcp
 
-    model = _sharded("delayed", world)
+    model = _sharded(recipe, world, fp8_gather)
     _train(model, rank, world, 2, seed=1)
     dcp.save({"model": model.state_dict(), "fp8": lowbit.fp8_state_dict(model)}, checkpoint_id=path)
-    fresh = _sharded("delayed", world)
+    fresh = _sharded(recipe, world, fp8_gather)
     state = {"model": fresh.state_dict(), "fp8": lowbit.fp8_state_dict(fresh)}
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state["model"])
@@ -250,27 +257,31 @@ def _dcp_round_trip(rank, world, path):
     return out
 
 
-def _fsdp_steps(rank, world, recipe, steps=3):
+def _fsdp_steps(rank, world, recipe, steps=3, fp8_gather=False, compiled=False):
     """A converted MLP under FSDP2 (fully_shard per layer and at the root),
-    trained data-parallel for a few SGD steps: the whole first weight after
-    them, and the loss of each step (this rank's half of the batch)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    trained data-parallel for a few SGD steps (``fp8_gather``: the weights
+    all-gathered in FP8; ``compiled``: the model under torch.compile): the
+    whole first weight after them, the layer's type, the type of its local
+    shard and of the unsharded weight its forward saw, with the bytes per
+    element of what was gathered."""
+    model = _sharded(recipe, world, fp8_gather)
+    seen = []
 
-    model = _fsdp_model().to(DEV)
-    lowbit.convert_to_fp8_training(model, recipe=recipe, policy="all", progress=False)
-    mesh = init_device_mesh(DEV.type, (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    def record(mod, args):
+        w = mod.weight
+        seen.append((type(w).__name__, (w._data if hasattr(w, "_data") else w).element_size()))
+
+    model[0].register_forward_pre_hook(record)  # after FSDP2's own: sees the unsharded weight
+    run = torch.compile(model, backend="aot_eager") if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(M, K, generator=gen).to(DEV)
-        model(x.chunk(world)[rank]).pow(2).mean().backward()  # the mean of the ranks' means: the batch's
+        run(x.chunk(world)[rank]).pow(2).mean().backward()  # the mean of the ranks' means: the batch's
         opt.step()
         opt.zero_grad()
-    return {"weight": model[0].weight.full_tensor().detach(), "type": type(model[0]).__name__}
+    return {"weight": model[0].weight.full_tensor().detach(), "type": type(model[0]).__name__,
+            "local": type(model[0].weight.to_local()).__name__, "seen": seen}
 
 
 def _single_process_steps(recipe, fp8=True, steps=3):
@@ -425,9 +436,36 @@ def test_fsdp2_training_matches_one_process():
         assert _rel(got["weight"], single) <= bound, (recipe, _rel(got["weight"], single), _rel(single, exact))
 
 
+def _check_fsdp_fp8_gather(results):
+    """FSDP2 with the weights all-gathered in FP8 (tensorwise): the shards
+    are Fp8ShardedWeight, each forward saw an Fp8GatheredWeight of 1-byte
+    codes, and the training is bitwise the BF16 all-gather's, eagerly and
+    compiled (the codes are those of casting the whole W)."""
+    for r in results:
+        bf16_gather = r["fsdp"]["tensorwise"]
+        assert all(t == "Parameter" for t, _ in bf16_gather["seen"])
+        for compiled, got in r["fsdp_fp8"].items():
+            assert got["local"] == "Fp8ShardedWeight", (compiled, got["local"])
+            assert got["seen"] == [("Fp8GatheredWeight", 1)] * 3, (compiled, got["seen"])
+            assert torch.equal(got["weight"], bf16_gather["weight"]), compiled
+
+
+@pytest.mark.slow
+def test_fsdp2_fp8_all_gather_is_bitwise_the_bf16_all_gather():
+    _check_fsdp_fp8_gather(spawn([], ("fsdp",)))
+
+
+def _check_dcp_fp8(results):
+    for r in results:
+        out = r["dcp_fp8"]
+        assert torch.equal(out["fresh"]["weight"], out["model"]["weight"])  # the loaded model steps as the saved
+
+
 @pytest.mark.slow
 def test_dcp_saves_and_loads_the_delayed_histories_under_fsdp2():
-    results = [r["dcp"] for r in spawn([], ("dcp",))]
+    everything = spawn([], ("dcp",))
+    _check_dcp_fp8(everything)  # and tensorwise with the FP8 all-gather: its wrapped weights save and load
+    results = [r["dcp"] for r in everything]
     for key in results[0]["saved"]:  # the ranks' histories agree
         assert torch.equal(results[0]["saved"][key], results[1]["saved"][key])
     for r in results:
@@ -508,6 +546,8 @@ def test_cuda_nccl_tensor_and_sequence_parallel():
 @two_gpus
 def test_cuda_nccl_fsdp2_and_dcp():
     results = spawn([], ("fsdp", "dcp"), device="cuda")
+    _check_fsdp_fp8_gather(results)
+    _check_dcp_fp8(results)
     exact = _single_process_steps(None, fp8=False)
     for recipe in RECIPES:
         got = results[0]["fsdp"][recipe]

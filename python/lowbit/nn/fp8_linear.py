@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..fp8_fsdp import Fp8GatheredWeight, Fp8ShardedWeight
 from ..fp8_parallel import (FP8_GATHER_RECIPES, check_group_device, check_parallel, fp8_gather_linear, group_name,
                             parallel_input, parallel_output, shard_of)
 
@@ -131,7 +132,9 @@ def _gpu_unsupported(index: int) -> str | None:
 
 
 def _subclass(t) -> bool:
-    return t is not None and type(t) is not torch.Tensor and type(t) is not nn.Parameter
+    # The FSDP2 FP8 all-gather's weights (lowbit.fp8_fsdp) are subclasses
+    # the FP8 ops take.
+    return t is not None and type(t) not in (torch.Tensor, nn.Parameter, Fp8ShardedWeight, Fp8GatheredWeight)
 
 
 def fallback_reason(layer: "Fp8Linear", x: Tensor) -> tuple[str, str] | None:

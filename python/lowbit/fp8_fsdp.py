@@ -1,0 +1,230 @@
+"""FSDP2 with the sharded weights of :class:`lowbit.nn.Fp8Linear` all-gathered
+in FP8 (half the bytes of BF16), through FSDP2's all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the parameter's local
+tensor), as torchao's float8 all-gather does.
+
+:func:`enable_fsdp_fp8_all_gather` (before ``fully_shard``) wraps the weight
+of each tensorwise ``Fp8Linear`` in an :class:`Fp8ShardedWeight`: a tensor
+that behaves as its high-precision data everywhere (optimizer, state dict,
+checkpoints see the plain values) and that FSDP2 all-gathers in FP8:
+
+- before the all-gather, on each rank: the amax of its shard, all-reduced
+  (max) over the FSDP mesh, so every rank has the whole W's amax; the scale
+  from it by fp8_cast's rule; the shard's E4M3 codes under that scale;
+- the gathered codes and the scale become the unsharded weight, an
+  :class:`Fp8GatheredWeight` (dtype and shape of the parameter, codes
+  inside). The layer's forward op takes W's codes and scale from it instead
+  of casting W, and makes W's transposed copy for the input gradient from
+  the codes (one scale: the codes transposed). The weight gradient comes out
+  in the parameter's dtype and FSDP2 reduce-scatters it as usual.
+
+The codes are those of casting the whole W with fp8_cast (the same amax,
+the same scale rule, elementwise rounding), so a step is bitwise the step
+with W gathered in BF16 and cast inside the op. A call the layer runs in
+high precision (fewer tokens than ``min_tokens``, an eager fallback) sees
+the gathered weight's dequantized values (W rounded to E4M3), not W.
+
+Only the tensorwise recipe gathers in FP8. Delayed scaling records W's
+amax in the layer's history from inside the forward op, which a weight cast
+in FSDP2's hook does not reach (not done yet); row and block scaling scale
+W per output row / 128 x 128 tile, which the shards could cast alone, but
+the input gradient needs W^T scaled along the other dimension, which the
+gathered codes cannot give. Those layers keep the BF16 all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+FSDP_FP8_RECIPES = ("tensorwise",)
+
+_aten = torch.ops.aten
+# Ops after which the result is still "the weight" (views, copies, in-place
+# updates: what FSDP2's sharding and the optimizer do to a parameter).
+_KEEPS_WRAPPER = {
+    _aten.detach.default, _aten.alias.default, _aten.view.default, _aten._unsafe_view.default,
+    _aten.as_strided.default, _aten.slice.Tensor, _aten.split.Tensor, _aten.split_with_sizes.default,
+    _aten.chunk.default, _aten.narrow.default, _aten.clone.default, _aten.empty_like.default,
+    _aten.new_zeros.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.zeros_like.default,
+    _aten._to_copy.default, _aten.copy_.default, _aten.t.default, _aten.transpose.int,
+}
+
+
+def _unwrap_sharded(t):
+    return t._tensor if isinstance(t, Fp8ShardedWeight) else t
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """The high-precision weight of a tensorwise Fp8Linear (``_tensor``),
+    all-gathered in FP8 by FSDP2 (module docstring). Every op sees the plain
+    values; views, copies and in-place updates stay wrapped."""
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
+            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor):
+        self._tensor = tensor
+
+    def __repr__(self):
+        return f"Fp8ShardedWeight({self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*tree_map(_unwrap_sharded, args), **tree_map(_unwrap_sharded, kwargs))
+        if func._schema.name.endswith("_"):
+            return args[0]  # in place (copy_, add_, lerp_, ...): the wrapper of the tensor written
+        if func not in _KEEPS_WRAPPER:
+            return out
+        return tree_map(lambda t: cls(t) if isinstance(t, Tensor) and not isinstance(t, cls) else t, out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8ShardedWeight(inner["_tensor"])
+
+    # ---- FSDP2's all-gather extension ----------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard as E4M3 codes (uint8, padded to FSDP2's sharded
+        size) under the scale of the whole W; the scale as metadata."""
+        shard = self._tensor
+        if shard.numel():
+            lo, hi = torch.aminmax(shard)
+            amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
+        else:
+            amax = torch.zeros(1, 1, dtype=torch.float32, device=shard.device)
+        if mesh.size() > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        ops = torch.ops.lowbit
+        scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, False)[1]
+        rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
+        codes = torch.zeros(rows, shard.shape[1], dtype=torch.uint8, device=shard.device)
+        if shard.numel():
+            codes[: shard.shape[0]] = ops.fp8_cast(shard.contiguous(), "tensor", "e4m3", False, scale,
+                                                   False)[0].view(torch.uint8)
+        return (codes,), (scale,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (codes,) = all_gather_outputs
+        (scale,) = metadata
+        if out is not None:  # the unsharded weight of an earlier step: its codes were gathered in place
+            out._scale = scale
+            return None
+        return Fp8GatheredWeight(codes.view(torch.float8_e4m3fn), scale, param_dtype), (codes,)
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """An unsharded weight all-gathered in FP8: E4M3 codes ``_data`` [N, K]
+    and the float32 scale ``_scale`` [], shaped and typed as the parameter
+    (``dtype``). The FP8 forward op takes them directly (its dispatch below);
+    any other op sees the dequantized values."""
+
+    @staticmethod
+    def __new__(cls, data: Tensor, scale: Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            device=data.device, requires_grad=False)
+
+    def __init__(self, data: Tensor, scale: Tensor, dtype: torch.dtype):
+        self._data, self._scale = data, scale
+
+    def __repr__(self):
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale})"
+
+    def dequantize(self) -> Tensor:
+        return (self._data.float() * self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.lowbit.fp8_linear_forward.default:
+            return _forward_with_gathered_weight(*args, **kwargs)
+        first = args[0] if args else None
+        if isinstance(first, cls) and func in (_aten.detach.default, _aten.alias.default, _aten.view.default,
+                                               _aten.as_strided.default, _aten._unsafe_view.default):
+            # FSDP2 makes the unsharded parameter as a view of the gathered
+            # buffer, and nn.Parameter detaches it: the codes follow.
+            return cls(func(first._data, *args[1:], **kwargs), first._scale, first.dtype)
+        unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], dtype)
+
+
+def _forward_with_gathered_weight(x, weight, bias, amax_history, recipe, *args, **kwargs):
+    """lowbit::fp8_linear_forward with W given by an Fp8GatheredWeight: its
+    codes and scale as the op's w_fp8 / w_fp8_scale (the op then casts
+    nothing for W, and makes W's transposed copy from the codes when
+    save_w_t), and a stand-in of W's shape and dtype (no memory) for the op's
+    shape checks."""
+    op = torch.ops.lowbit.fp8_linear_forward.default
+    bound = dict(zip((a.name for a in op._schema.arguments), (x, weight, bias, amax_history, recipe, *args)))
+    bound.update(kwargs)
+    if bound["recipe"] not in FSDP_FP8_RECIPES:
+        raise ValueError(f"lowbit: a weight all-gathered in FP8 serves the recipes {FSDP_FP8_RECIPES}, got "
+                         f"{bound['recipe']!r}")
+    if bound.get("w_fp8") is not None:
+        raise ValueError("lowbit: a weight all-gathered in FP8 is already W's FP8 form; no 'w_fp8' may be given")
+    bound["weight"] = torch.zeros((), dtype=weight.dtype, device=weight._data.device).expand(weight.shape)
+    bound["w_fp8"], bound["w_fp8_scale"] = weight._data, weight._scale
+    return op(**bound)
+
+
+def _plain(t):
+    """``t`` (a state-dict value) with an Fp8ShardedWeight inside replaced by
+    its plain data (a view of the same memory), so checkpoints hold plain
+    tensors and load in place into the parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Fp8ShardedWeight):
+        return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t._tensor if isinstance(t, Fp8ShardedWeight) else t
+
+
+def _plain_state_dict_weight(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = _plain(state_dict[key])
+
+
+def enable_fsdp_fp8_all_gather(model: nn.Module) -> int:
+    """Before ``fully_shard``: gives each :class:`lowbit.nn.Fp8Linear` of
+    ``model`` under a recipe that allows it (tensorwise) an
+    :class:`Fp8ShardedWeight` weight, so that FSDP2 all-gathers it in FP8.
+    The parameter objects are replaced (build the optimizer afterwards, as
+    with ``fully_shard``); ``state_dict`` gives their plain values, so
+    checkpoints (``torch.distributed.checkpoint`` included) hold plain
+    tensors. Returns the number of layers changed."""
+    from .nn.fp8_linear import Fp8Linear
+
+    changed = 0
+    for mod in model.modules():
+        if isinstance(mod, Fp8Linear) and mod.recipe.name in FSDP_FP8_RECIPES \
+                and not isinstance(mod.weight.data, Fp8ShardedWeight):
+            if mod.parallel is not None:
+                raise ValueError("lowbit.enable_fsdp_fp8_all_gather: a tensor-parallel Fp8Linear (parallel=) "
+                                 "with FSDP2's FP8 all-gather is not done yet")
+            if mod.cache_weight:
+                raise ValueError("lowbit.enable_fsdp_fp8_all_gather: an Fp8Linear with the weight cache "
+                                 "(cache_weight=True) casts W itself; FSDP2's FP8 all-gather replaces that cast: "
+                                 "build it with cache_weight=False")
+            w = mod.weight
+            mod.weight = nn.Parameter(Fp8ShardedWeight(w.data), requires_grad=w.requires_grad)
+            mod.register_state_dict_post_hook(_plain_state_dict_weight)
+            changed += 1
+    return changed
