@@ -11,8 +11,8 @@ import sys
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
+from lowbit.bench.harness import profile_kernels
 from lowbit.nn import Fp8Linear
 
 args = sys.argv[1:]
@@ -42,20 +42,7 @@ for recipe in recipes:
         y = compiled(x)
         torch.autograd.grad(y, (x, layer.weight), dy)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    totals: dict[str, list] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = totals.setdefault(ev.name[:90], [0.0, 0])
-            t[0] += ev.device_time_total
-            t[1] += 1
-    total = sum(v[0] for v in totals.values()) / STEPS
+    kernels, total = profile_kernels(step, STEPS, name_chars=90)
     # The same step replayed as a CUDA graph (as the benchmark times it):
     # what the kernels' sum leaves out (gaps, clocks) shows as the difference.
     graph = torch.cuda.CUDAGraph()
@@ -76,5 +63,5 @@ for recipe in recipes:
     replay_us = start.elapsed_time(end) * 1e3 / 20
     print(f"\n## {recipe}  M={m} K={k} N={n}: {total:.0f} us of kernels per step, "
           f"{replay_us:.0f} us per CUDA-graph replay")
-    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:12]:
-        print(f"  {us / STEPS:9.1f} us  x{count // STEPS:<2d} {name}")
+    for name, us, count in kernels[:12]:
+        print(f"  {us:9.1f} us  x{count:<2d} {name}")

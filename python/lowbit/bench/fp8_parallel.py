@@ -90,6 +90,22 @@ def _block(provider: str, up: nn.Linear, down: nn.Linear, pg) -> nn.Module:
     return nn.Sequential(layers[0], nn.GELU(approximate="tanh"), layers[1])
 
 
+def block_tensors(device, seq: int, d: int, hidden: int) -> tuple:
+    """(up, down, x, dy): the block's whole layers (BF16, the same on every
+    rank: one seed), this rank's input tokens (requiring grad) and output
+    gradient."""
+    gen = torch.Generator().manual_seed(0)
+    up = nn.Linear(d, hidden)
+    down = nn.Linear(hidden, d)
+    with torch.no_grad():
+        for p in (*up.parameters(), *down.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    up, down = up.to(device, torch.bfloat16), down.to(device, torch.bfloat16)
+    x = torch.randn(seq, d, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(seq, d, generator=gen).to(device, torch.bfloat16)
+    return up, down, x, dy
+
+
 def _timer(device):
     """now() in seconds, after the device's queued work."""
     def now():
@@ -107,15 +123,7 @@ def build_and_time(rank: int, world: int, device, seq: int, d: int, hidden: int,
     the same order (an exception on one rank is raised on all by the
     all-reduce of a failure flag)."""
     pg = dist.group.WORLD
-    gen = torch.Generator().manual_seed(0)  # the same whole layers on every rank
-    up = nn.Linear(d, hidden)
-    down = nn.Linear(hidden, d)
-    with torch.no_grad():
-        for p in (*up.parameters(), *down.parameters()):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    up, down = up.to(device, torch.bfloat16), down.to(device, torch.bfloat16)
-    x = torch.randn(seq, d, generator=gen).to(device, torch.bfloat16).requires_grad_()
-    dy = torch.randn(seq, d, generator=gen).to(device, torch.bfloat16)
+    up, down, x, dy = block_tensors(device, seq, d, hidden)
     steps, notes = {}, {}
     for name in provider_names():
         if name == "torchao":

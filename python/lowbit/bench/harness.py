@@ -165,6 +165,31 @@ def measure_hardware(device: torch.device | None = None) -> Hardware:
     return Hardware(props.name, props.multi_processor_count, l2, hbm, bf16, fp8)
 
 
+def profile_kernels(step: Callable[[], Any], steps: int = 5, warmup: int = 3,
+                    name_chars: int = 100) -> tuple[list[tuple[str, float, int]], float]:
+    """``step`` run ``warmup`` times, then ``steps`` times under
+    torch.profiler: its CUDA kernels as [(name, us per step, launches per
+    step)], largest first, and the total us per step (development scripts'
+    profiles)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(ev.name[:name_chars], [0.0, 0])
+            t[0] += ev.device_time_total
+            t[1] += 1
+    rows = sorted(((n, us / steps, count // steps) for n, (us, count) in totals.items()), key=lambda r: -r[1])
+    return rows, sum(r[1] for r in rows)
+
+
 def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):
