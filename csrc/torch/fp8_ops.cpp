@@ -318,6 +318,14 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
     check_same_device(*e.x_amax, x, kForward, "x_amax", "x");
     check_shape(*e.x_amax, c10::SymDimVector{}, kForward, "x_amax");
   }
+  if (e.w_amax.has_value()) {
+    TORCH_CHECK_VALUE(e.w_fp8.has_value() && r.kind == Recipe::Kind::kDelayed, "lowbit.", kForward,
+                      ": argument 'w_amax' is the amax of an FP8 W for the delayed history: it needs 'w_fp8' and "
+                      "recipe \"delayed\"");
+    check_dtype(*e.w_amax, kForward, "w_amax", {at::kFloat});
+    check_same_device(*e.w_amax, x, kForward, "w_amax", "x");
+    check_shape(*e.w_amax, c10::SymDimVector{}, kForward, "w_amax");
+  }
   const at::ScalarType od = forward_out_dtype(x, e);
   TORCH_CHECK_TYPE(od == at::kBFloat16 || od == at::kHalf || od == at::kFloat, "lowbit.", kForward,
                    ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", od);
@@ -465,16 +473,18 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
     y_scale = cy.scale;
   }
   if (delayed) {
-    // Only the tensors cast here record an amax: a cached W's amax was
-    // recorded by the cast that filled the cache (once per refresh).
-    // An FP8 x records the amax its caster passed (x_amax), if any.
+    // The tensors cast here record their amaxes; an operand given in FP8
+    // records the amax its caster passed (x_amax, w_amax), if any: a
+    // cached W's was recorded by the cast that filled the cache (once per
+    // refresh), an FP8-gathered W's comes with it.
     c10::optional<at::Tensor> x_amax = x_fp8 ? e.x_amax : c10::optional<at::Tensor>(cx.amax);
-    if (x_amax.has_value() && !w_cached) {
-      record_amax(amax_history, 0, at::stack({*x_amax, cw.amax}));
+    c10::optional<at::Tensor> w_amax = w_cached ? e.w_amax : c10::optional<at::Tensor>(cw.amax);
+    if (x_amax.has_value() && w_amax.has_value()) {
+      record_amax(amax_history, 0, at::stack({x_amax->reshape({}), w_amax->reshape({})}));
     } else if (x_amax.has_value()) {
       record_amax(amax_history, 0, x_amax->view({1}));
-    } else if (!w_cached) {
-      record_amax(amax_history, 1, cw.amax.view({1}));
+    } else if (w_amax.has_value()) {
+      record_amax(amax_history, 1, w_amax->view({1}));
     }
   }
   return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t, y_scale};
@@ -601,10 +611,10 @@ LinearForwardOut forward_cpu(const at::Tensor& x, const at::Tensor& weight, cons
                              bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                              const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
                              c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
-                             const c10::optional<at::Tensor>& x_amax) {
+                             const c10::optional<at::Tensor>& x_amax, const c10::optional<at::Tensor>& w_amax) {
   return linear_forward(kCpuBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, w_amax, out_dtype, fp8_out, fast_accum});
 }
 
 LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -613,9 +623,9 @@ LinearForwardOut forward_meta(const at::Tensor& x, const at::Tensor& weight, con
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
                               c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
-                             const c10::optional<at::Tensor>& x_amax) {
+                             const c10::optional<at::Tensor>& x_amax, const c10::optional<at::Tensor>& w_amax) {
   const Recipe r = parse_recipe(recipe, grad_dtype, amax_compute, margin, pow2_scales, kForward);
-  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum};
+  const ForwardExtras e{w_fp8, w_fp8_scale, x_scale, x_amax, w_amax, out_dtype, fp8_out, fast_accum};
   check_linear_forward(x, weight, bias, amax_history, r, save_x_t, save_w_t, e);
   return empty_forward_outputs(x, weight, r, save_x_t, save_w_t, e);
 }

@@ -109,6 +109,7 @@ using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tens
 struct ForwardExtras {
   c10::optional<at::Tensor> w_fp8, w_fp8_scale, x_scale;
   c10::optional<at::Tensor> x_amax;  // with x_scale, delayed: x's amax to record
+  c10::optional<at::Tensor> w_amax;  // with w_fp8, delayed: W's amax to record
   c10::optional<at::ScalarType> out_dtype;
   bool fp8_out = false;
   bool fast_accum = false;

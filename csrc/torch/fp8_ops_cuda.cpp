@@ -160,12 +160,12 @@ LinearForwardOut forward_cuda(const at::Tensor& x, const at::Tensor& weight, con
                               bool save_w_t, const c10::optional<at::Tensor>& w_fp8,
                               const c10::optional<at::Tensor>& w_fp8_scale, const c10::optional<at::Tensor>& x_scale,
                               c10::optional<at::ScalarType> out_dtype, bool fp8_out, bool fast_accum,
-                             const c10::optional<at::Tensor>& x_amax) {
+                             const c10::optional<at::Tensor>& x_amax, const c10::optional<at::Tensor>& w_amax) {
   check_supported_gpu(x, "fp8_linear_forward");
   c10::cuda::CUDAGuard guard(x.device());
   return linear_forward(kCudaBackend, x, weight, bias, amax_history, recipe, grad_dtype, amax_compute, margin,
                         pow2_scales, save_x_t, save_w_t,
-                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, out_dtype, fp8_out, fast_accum});
+                        ForwardExtras{w_fp8, w_fp8_scale, x_scale, x_amax, w_amax, out_dtype, fp8_out, fast_accum});
 }
 
 void cache_weight_cuda(const at::Tensor& weight, at::Tensor& amax_history, at::Tensor& w_data, at::Tensor& w_scale,

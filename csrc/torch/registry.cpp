@@ -172,7 +172,9 @@ TORCH_LIBRARY(lowbit, m) {
   // x_amax ([] float32, with x_scale, "delayed" only): the amax of the
   // high-precision x the FP8 x was cast from, recorded in the history's x
   // row as a cast here would record it (the FP8 all-gather of
-  // lowbit.fp8_parallel casts before the op).
+  // lowbit.fp8_parallel casts before the op); w_amax likewise for an FP8
+  // W given in w_fp8 (with it, "delayed" only: W's row; FSDP2's FP8
+  // all-gather of lowbit.fp8_fsdp casts W before the op).
   // fp8_delayed_scale: the scale "delayed" gives history row `row` ([],
   // float32) before the op's next cast: the row reduced by amax_compute,
   // then scale_from_amax with the format's fmax, margin and pow2.
@@ -184,7 +186,7 @@ TORCH_LIBRARY(lowbit, m) {
         "str grad_dtype=\"e4m3\", str amax_compute=\"max\", int margin=0, bool pow2_scales=False, "
         "bool save_x_t=True, bool save_w_t=True, Tensor? w_fp8=None, Tensor? w_fp8_scale=None, "
         "Tensor? x_scale=None, ScalarType? out_dtype=None, bool fp8_out=False, bool fast_accum=False, "
-        "Tensor? x_amax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? x_amax=None, Tensor? w_amax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_delayed_scale(Tensor amax_history, int row, str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False, str dtype=\"e4m3\") -> Tensor");
   m.def("fp8_linear_cache_weight(Tensor weight, Tensor(a!) amax_history, Tensor(b!) w_data, Tensor(c!) w_scale, "

@@ -4,32 +4,38 @@ in FP8 (half the bytes of BF16), through FSDP2's all-gather extension
 tensor), as torchao's float8 all-gather does.
 
 :func:`enable_fsdp_fp8_all_gather` (before ``fully_shard``) wraps the weight
-of each tensorwise ``Fp8Linear`` in an :class:`Fp8ShardedWeight`: a tensor
+of each tensorwise or delayed ``Fp8Linear`` in an :class:`Fp8ShardedWeight`: a tensor
 that behaves as its high-precision data everywhere (optimizer, state dict,
 checkpoints see the plain values) and that FSDP2 all-gathers in FP8:
 
 - before the all-gather, on each rank: the amax of its shard, all-reduced
   (max) over the FSDP mesh, so every rank has the whole W's amax; the scale
-  from it by fp8_cast's rule; the shard's E4M3 codes under that scale;
+  (tensorwise: from that amax by fp8_cast's rule; delayed: from the layer's
+  history row for W, as the forward op would take it); the shard's E4M3
+  codes under that scale;
 - the gathered codes and the scale become the unsharded weight, an
   :class:`Fp8GatheredWeight` (dtype and shape of the parameter, codes
   inside). The layer's forward op takes W's codes and scale from it instead
-  of casting W, and makes W's transposed copy for the input gradient from
-  the codes (one scale: the codes transposed). The weight gradient comes out
-  in the parameter's dtype and FSDP2 reduce-scatters it as usual.
+  of casting W (delayed: and W's amax, which it records in the history as
+  its own cast would), and makes W's transposed copy for the input gradient
+  from the codes (one scale: the codes transposed). The weight gradient
+  comes out in the parameter's dtype and FSDP2 reduce-scatters it as usual.
+  The all-gather FSDP2 repeats for the backward (after resharding) reads
+  the history but records nothing, and its codes go unused: the backward
+  takes the transposed copy the forward saved.
 
 The codes are those of casting the whole W with fp8_cast (the same amax,
 the same scale rule, elementwise rounding), so a step is bitwise the step
-with W gathered in BF16 and cast inside the op. A call the layer runs in
+with W gathered in BF16 and cast inside the op (where FSDP2 gathers the
+parameter's own dtype: with a lower ``param_dtype`` in its mixed precision
+policy the codes come from the high-precision shard, one rounding fewer). A call the layer runs in
 high precision (fewer tokens than ``min_tokens``, an eager fallback) sees
 the gathered weight's dequantized values (W rounded to E4M3), not W.
 
-Only the tensorwise recipe gathers in FP8. Delayed scaling records W's
-amax in the layer's history from inside the forward op, which a weight cast
-in FSDP2's hook does not reach (not done yet); row and block scaling scale
-W per output row / 128 x 128 tile, which the shards could cast alone, but
-the input gradient needs W^T scaled along the other dimension, which the
-gathered codes cannot give. Those layers keep the BF16 all-gather.
+The tensorwise and delayed recipes gather in FP8. Row and block scaling
+scale W per output row / 128 x 128 tile, which the shards could cast alone,
+but the input gradient needs W^T scaled along the other dimension, which
+the gathered codes cannot give: those layers keep the BF16 all-gather.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-FSDP_FP8_RECIPES = ("tensorwise",)
+FSDP_FP8_RECIPES = ("tensorwise", "delayed")
 
 _aten = torch.ops.aten
 # Ops after which the result is still "the weight" (views, copies, in-place
@@ -58,7 +64,7 @@ def _unwrap_sharded(t):
 
 
 class Fp8ShardedWeight(torch.Tensor):
-    """The high-precision weight of a tensorwise Fp8Linear (``_tensor``),
+    """The high-precision weight of a tensorwise or delayed Fp8Linear (``_tensor``),
     all-gathered in FP8 by FSDP2 (module docstring). Every op sees the plain
     values; views, copies and in-place updates stay wrapped."""
 
@@ -95,7 +101,16 @@ class Fp8ShardedWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard as E4M3 codes (uint8, padded to FSDP2's sharded
-        size) under the scale of the whole W; the scale as metadata."""
+        size) under the scale of the whole W; the scale and W's amax as
+        metadata. ``module``: the Fp8Linear owning the weight (its recipe
+        and, delayed, its history)."""
+        from .nn.fp8_linear import Fp8Linear
+
+        if not isinstance(module, Fp8Linear) or module.recipe.name not in FSDP_FP8_RECIPES:
+            raise ValueError(f"lowbit: an Fp8ShardedWeight is all-gathered for an Fp8Linear of a recipe in "
+                             f"{FSDP_FP8_RECIPES}, got {type(module).__name__}"
+                             + (f" of recipe {module.recipe.name!r}" if isinstance(module, Fp8Linear) else ""))
+        recipe = module.recipe
         shard = self._tensor
         if shard.numel():
             lo, hi = torch.aminmax(shard)
@@ -105,37 +120,42 @@ class Fp8ShardedWeight(torch.Tensor):
         if mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         ops = torch.ops.lowbit
-        scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, False)[1]
+        if recipe.name == "delayed":
+            scale = ops.fp8_delayed_scale(module.fp8_state, 1, recipe.amax_compute, recipe.margin, recipe.pow2_scales,
+                                          "e4m3")
+        else:
+            scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, recipe.pow2_scales)[1]
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
         codes = torch.zeros(rows, shard.shape[1], dtype=torch.uint8, device=shard.device)
         if shard.numel():
             codes[: shard.shape[0]] = ops.fp8_cast(shard.contiguous(), "tensor", "e4m3", False, scale,
-                                                   False)[0].view(torch.uint8)
-        return (codes,), (scale,)
+                                                   recipe.pow2_scales)[0].view(torch.uint8)
+        return (codes,), (scale, amax.reshape(()))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,) = all_gather_outputs
-        (scale,) = metadata
+        scale, amax = metadata
         if out is not None:  # the unsharded weight of an earlier step: its codes were gathered in place
-            out._scale = scale
+            out._scale, out._amax = scale, amax
             return None
-        return Fp8GatheredWeight(codes.view(torch.float8_e4m3fn), scale, param_dtype), (codes,)
+        return Fp8GatheredWeight(codes.view(torch.float8_e4m3fn), scale, param_dtype, amax), (codes,)
 
 
 class Fp8GatheredWeight(torch.Tensor):
-    """An unsharded weight all-gathered in FP8: E4M3 codes ``_data`` [N, K]
-    and the float32 scale ``_scale`` [], shaped and typed as the parameter
-    (``dtype``). The FP8 forward op takes them directly (its dispatch below);
-    any other op sees the dequantized values."""
+    """An unsharded weight all-gathered in FP8: E4M3 codes ``_data`` [N, K],
+    the float32 scale ``_scale`` [] and W's amax ``_amax`` [], shaped and
+    typed as the parameter (``dtype``). The FP8 forward op takes them
+    directly (its dispatch below); any other op sees the dequantized
+    values."""
 
     @staticmethod
-    def __new__(cls, data: Tensor, scale: Tensor, dtype: torch.dtype):
+    def __new__(cls, data: Tensor, scale: Tensor, dtype: torch.dtype, amax: Tensor):
         return torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             device=data.device, requires_grad=False)
 
-    def __init__(self, data: Tensor, scale: Tensor, dtype: torch.dtype):
-        self._data, self._scale = data, scale
+    def __init__(self, data: Tensor, scale: Tensor, dtype: torch.dtype, amax: Tensor):
+        self._data, self._scale, self._amax = data, scale, amax
 
     def __repr__(self):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale})"
@@ -153,24 +173,25 @@ class Fp8GatheredWeight(torch.Tensor):
                                                _aten.as_strided.default, _aten._unsafe_view.default):
             # FSDP2 makes the unsharded parameter as a view of the gathered
             # buffer, and nn.Parameter detaches it: the codes follow.
-            return cls(func(first._data, *args[1:], **kwargs), first._scale, first.dtype)
+            return cls(func(first._data, *args[1:], **kwargs), first._scale, first.dtype, first._amax)
         unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], self.dtype
+        return ["_data", "_scale", "_amax"], self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return Fp8GatheredWeight(inner["_data"], inner["_scale"], dtype)
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], dtype, inner["_amax"])
 
 
 def _forward_with_gathered_weight(x, weight, bias, amax_history, recipe, *args, **kwargs):
     """lowbit::fp8_linear_forward with W given by an Fp8GatheredWeight: its
     codes and scale as the op's w_fp8 / w_fp8_scale (the op then casts
     nothing for W, and makes W's transposed copy from the codes when
-    save_w_t), and a stand-in of W's shape and dtype (no memory) for the op's
-    shape checks."""
+    save_w_t), delayed: its amax as w_amax (recorded in W's history row),
+    and a stand-in of W's shape and dtype (no memory) for the op's shape
+    checks."""
     op = torch.ops.lowbit.fp8_linear_forward.default
     bound = dict(zip((a.name for a in op._schema.arguments), (x, weight, bias, amax_history, recipe, *args)))
     bound.update(kwargs)
@@ -181,6 +202,8 @@ def _forward_with_gathered_weight(x, weight, bias, amax_history, recipe, *args, 
         raise ValueError("lowbit: a weight all-gathered in FP8 is already W's FP8 form; no 'w_fp8' may be given")
     bound["weight"] = torch.zeros((), dtype=weight.dtype, device=weight._data.device).expand(weight.shape)
     bound["w_fp8"], bound["w_fp8_scale"] = weight._data, weight._scale
+    if bound["recipe"] == "delayed":
+        bound["w_amax"] = weight._amax
     return op(**bound)
 
 
@@ -204,7 +227,7 @@ def _plain_state_dict_weight(module, state_dict, prefix, local_metadata):
 
 def enable_fsdp_fp8_all_gather(model: nn.Module) -> int:
     """Before ``fully_shard``: gives each :class:`lowbit.nn.Fp8Linear` of
-    ``model`` under a recipe that allows it (tensorwise) an
+    ``model`` under a recipe that allows it (tensorwise, delayed) an
     :class:`Fp8ShardedWeight` weight, so that FSDP2 all-gathers it in FP8.
     The parameter objects are replaced (build the optimizer afterwards, as
     with ``fully_shard``); ``state_dict`` gives their plain values, so

@@ -196,7 +196,7 @@ def convert_to_fp8_training(
     ``model`` itself is never replaced (``Fp8Linear.from_linear`` converts
     a single layer). ``cache_weight`` gives every converted layer the FP8
     weight cache (:func:`fp8_microbatch`). ``fsdp_fp8_all_gather``: the
-    converted tensorwise layers' weights all-gathered in FP8 by FSDP2
+    converted tensorwise and delayed layers' weights all-gathered in FP8 by FSDP2
     (:func:`lowbit.enable_fsdp_fp8_all_gather`; convert before
     ``fully_shard``). Returns ``model``."""
     from .nn.fp8_linear import Fp8Linear, resolve_recipe

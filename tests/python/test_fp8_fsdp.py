@@ -25,10 +25,12 @@ def layer(recipe="tensorwise", seed=0, **kwargs):
     return Fp8Linear(96, 160, recipe=recipe, dtype=torch.bfloat16, **kwargs)
 
 
-def gathered_weight(w):
-    """w through the pre / post all-gather pair on one rank, as FSDP2 runs it."""
+def gathered_weight(module):
+    """module's weight through the pre / post all-gather pair on one rank,
+    as FSDP2 runs it."""
+    w = module.weight
     sharded = Fp8ShardedWeight(w.detach())
-    inputs, meta = sharded.fsdp_pre_all_gather(OneRankMesh(), w.shape, w.stride(), None, None)
+    inputs, meta = sharded.fsdp_pre_all_gather(OneRankMesh(), w.shape, w.stride(), module, None)
     (codes,) = inputs
     assert codes.dtype == torch.uint8 and codes.shape == w.shape  # 1 byte per weight on the wire
     out, inner = sharded.fsdp_post_all_gather(inputs, meta, w.dtype)
@@ -49,8 +51,9 @@ def test_sharded_weight_is_its_plain_values():
 
 
 def test_gathered_weight_holds_the_codes_of_the_whole_weight():
-    w = (torch.randn(160, 96) * 0.1).to(torch.bfloat16)
-    g = gathered_weight(w)
+    module = layer()
+    w = module.weight.detach()
+    g = gathered_weight(module)
     assert isinstance(g, Fp8GatheredWeight) and g.dtype == torch.bfloat16 and g.shape == w.shape
     want = lowbit.fp8_cast(w, "tensor")  # the cast of the whole W: same scale, same codes
     assert torch.equal(g._data.view(torch.uint8), want.data.view(torch.uint8))
@@ -60,23 +63,35 @@ def test_gathered_weight_holds_the_codes_of_the_whole_weight():
     assert isinstance(g.detach(), Fp8GatheredWeight) and isinstance(g.view(-1, 96), Fp8GatheredWeight)
 
 
-def test_layer_with_the_gathered_weight_trains_as_the_layer_casting_w():
-    # The forward op takes W's codes from the gathered weight, the backward
-    # W's transposed copy from them: bitwise the step that casts W itself.
-    ref, got = layer(), layer()
-    x = torch.randn(40, 96).to(torch.bfloat16)
-    dy = torch.randn(40, 160).to(torch.bfloat16)
-    xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ref(xr).backward(dy)
-    gathered = torch.nn.Parameter(gathered_weight(got.weight))
-    del got.weight
-    got.weight = gathered
-    y = got(xg)
-    assert type(y) is torch.Tensor
-    y.backward(dy)
-    assert torch.equal(y, ref(x))
-    assert torch.equal(xg.grad, xr.grad)
-    assert gathered.grad.dtype == torch.bfloat16 and torch.equal(gathered.grad, ref.weight.grad)
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", lowbit.Fp8Recipe("tensorwise", pow2_scales=True),
+                                    lowbit.Fp8Recipe("delayed", amax_history_len=4, pow2_scales=True)],
+                         ids=["tensorwise", "delayed", "tensorwise-pow2", "delayed-pow2"])
+def test_layer_with_the_gathered_weight_trains_as_the_layer_casting_w(recipe):
+    # The forward op takes W's codes from the gathered weight (delayed: and
+    # records its amax), the backward W's transposed copy from them: three
+    # steps bitwise those of the layer casting W itself, history included.
+    ref, got = layer(recipe), layer(recipe)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(40, 96, generator=gen).to(torch.bfloat16) * (step + 1)
+        dy = torch.randn(40, 160, generator=gen).to(torch.bfloat16)
+        xr, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want = ref(xr)
+        want.backward(dy)
+        plain = got.weight
+        gathered = torch.nn.Parameter(gathered_weight(got))  # as FSDP2 swaps the unsharded weight in
+        del got.weight
+        got.weight = gathered
+        y = got(xg)
+        assert type(y) is torch.Tensor
+        y.backward(dy)
+        del got.weight
+        got.weight = plain
+        assert torch.equal(y, want), step
+        assert torch.equal(xg.grad, xr.grad), step
+        assert gathered.grad.dtype == torch.bfloat16 and torch.equal(gathered.grad, ref.weight.grad), step
+        assert torch.equal(got.fp8_state, ref.fp8_state), step
+        ref.weight.grad = None
 
 
 def test_layer_with_a_sharded_weight_outside_fsdp_casts_w_itself():
@@ -98,12 +113,24 @@ def test_convert_to_fp8_training_flag():
 
 
 def test_enable_changes_tensorwise_layers_only_and_refuses_what_it_cannot_serve():
-    model = torch.nn.Sequential(layer("tensorwise"), layer("delayed"), layer("rowwise"), torch.nn.Linear(4, 4))
-    assert enable_fsdp_fp8_all_gather(model) == 1
+    model = torch.nn.Sequential(layer("tensorwise"), layer("delayed"), layer("rowwise"), layer("blockwise"),
+                                torch.nn.Linear(4, 4))
+    assert enable_fsdp_fp8_all_gather(model) == 2
     assert enable_fsdp_fp8_all_gather(model) == 0  # once
     with pytest.raises(ValueError, match=r"cache_weight=True.*build it with cache_weight=False"):
         enable_fsdp_fp8_all_gather(layer(cache_weight=True))
-    g = gathered_weight(layer().weight)
+    g = gathered_weight(layer())
     state = lowbit.fp8_state(lowbit.Fp8Recipe("rowwise"))
-    with pytest.raises(ValueError, match=r"all-gathered in FP8 serves the recipes \('tensorwise',\), got 'rowwise'"):
+    with pytest.raises(ValueError, match=r"all-gathered in FP8 serves the recipes \('tensorwise', 'delayed'\), "
+                                         r"got 'rowwise'"):
         torch.ops.lowbit.fp8_linear_forward(torch.randn(4, 96), g, None, state, "rowwise")
+    with pytest.raises(ValueError, match=r"for an Fp8Linear of a recipe in \('tensorwise', 'delayed'\), got "
+                                         r"Fp8Linear of recipe 'rowwise'"):
+        Fp8ShardedWeight(torch.randn(160, 96)).fsdp_pre_all_gather(OneRankMesh(), (160, 96), (96, 1),
+                                                                     layer("rowwise"), None)
+    # w_amax: only for an FP8 W under delayed scaling.
+    fwd = torch.ops.lowbit.fp8_linear_forward
+    w = layer().weight
+    with pytest.raises(ValueError, match=r"argument 'w_amax' is the amax of an FP8 W for the delayed history"):
+        fwd(torch.randn(4, 96), w, None, lowbit.fp8_state(lowbit.Fp8Recipe("tensorwise")), "tensorwise",
+            w_amax=torch.ones(()))

@@ -70,9 +70,9 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
             results["gather"] = _fp8_gather(rank, world)
         if "fsdp" in extras:
             results["fsdp"] = {r: _fsdp_steps(rank, world, r) for r in RECIPES}
-            # tensorwise with the weights all-gathered in FP8, eagerly and compiled
-            results["fsdp_fp8"] = {c: _fsdp_steps(rank, world, "tensorwise", fp8_gather=True, compiled=c)
-                                   for c in (False, True)}
+            # the weights all-gathered in FP8, eagerly and compiled
+            results["fsdp_fp8"] = {(r, c): _fsdp_steps(rank, world, r, fp8_gather=True, compiled=c)
+                                   for r in ("tensorwise", "delayed") for c in (False, True)}
         if "dcp" in extras:
             results["dcp"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint")
             results["dcp_fp8"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint_fp8", "tensorwise", True)
@@ -437,17 +437,17 @@ def test_fsdp2_training_matches_one_process():
 
 
 def _check_fsdp_fp8_gather(results):
-    """FSDP2 with the weights all-gathered in FP8 (tensorwise): the shards
-    are Fp8ShardedWeight, each forward saw an Fp8GatheredWeight of 1-byte
-    codes, and the training is bitwise the BF16 all-gather's, eagerly and
-    compiled (the codes are those of casting the whole W)."""
+    """FSDP2 with the weights all-gathered in FP8 (tensorwise, delayed): the
+    shards are Fp8ShardedWeight, each forward saw an Fp8GatheredWeight of
+    1-byte codes, and the training is bitwise the BF16 all-gather's, eagerly
+    and compiled (the codes are those of casting the whole W)."""
     for r in results:
-        bf16_gather = r["fsdp"]["tensorwise"]
-        assert all(t == "Parameter" for t, _ in bf16_gather["seen"])
-        for compiled, got in r["fsdp_fp8"].items():
-            assert got["local"] == "Fp8ShardedWeight", (compiled, got["local"])
-            assert got["seen"] == [("Fp8GatheredWeight", 1)] * 3, (compiled, got["seen"])
-            assert torch.equal(got["weight"], bf16_gather["weight"]), compiled
+        for (recipe, compiled), got in r["fsdp_fp8"].items():
+            bf16_gather = r["fsdp"][recipe]
+            assert all(t == "Parameter" for t, _ in bf16_gather["seen"])
+            assert got["local"] == "Fp8ShardedWeight", (recipe, compiled, got["local"])
+            assert got["seen"] == [("Fp8GatheredWeight", 1)] * 3, (recipe, compiled, got["seen"])
+            assert torch.equal(got["weight"], bf16_gather["weight"]), (recipe, compiled)
 
 
 @pytest.mark.slow
