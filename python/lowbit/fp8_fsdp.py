@@ -85,7 +85,9 @@ class Fp8ShardedWeight(torch.Tensor):
         kwargs = kwargs or {}
         out = func(*tree_map(_unwrap_sharded, args), **tree_map(_unwrap_sharded, kwargs))
         if func._schema.name.endswith("_"):
-            return args[0]  # in place (copy_, add_, lerp_, ...): the wrapper of the tensor written
+            # In place: copy_, add_, lerp_, ... return the wrapper of the
+            # tensor written; the optimizers' _foreach_*_ return nothing.
+            return args[0] if func._schema.returns else None
         if func not in _KEEPS_WRAPPER:
             return out
         return tree_map(lambda t: cls(t) if isinstance(t, Tensor) and not isinstance(t, cls) else t, out)

@@ -48,6 +48,14 @@ def test_sharded_weight_is_its_plain_values():
     assert torch.equal(s._tensor, w + 1)
     s[:2].copy_(torch.zeros(2, 16))
     assert torch.equal(s._tensor[:2], torch.zeros(2, 16))
+    # The optimizers' multi-tensor updates (foreach=True, their default on CUDA).
+    before = s._tensor.clone()
+    torch._foreach_add_([s], [torch.ones(8, 16)])
+    assert torch.equal(s._tensor, before + 1)
+    opt = torch.optim.SGD([torch.nn.Parameter(s)], lr=0.5, foreach=True)
+    opt.param_groups[0]["params"][0].grad = torch.ones(8, 16)
+    opt.step()
+    assert torch.equal(s._tensor, (before + 1) - 0.5 * torch.ones(8, 16))
 
 
 def test_gathered_weight_holds_the_codes_of_the_whole_weight():

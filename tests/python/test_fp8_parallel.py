@@ -15,6 +15,7 @@ missing or doubled collective is an error of the size of the result."""
 import copy
 import datetime
 import faulthandler
+import gc
 import tempfile
 import time
 
@@ -201,6 +202,16 @@ def _reduce_overhead(rank, world, steps=3):
     counters.clear()
     compiled = run(True)
     skips = counters["inductor"]["cudagraph_skips"]
+    # The CUDA graphs that captured NCCL collectives must go before the
+    # communicator: with the cudagraph trees still holding them,
+    # destroy_process_group waited forever (2 H100s, 251ff98, after this
+    # function had returned its results).
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    torch._dynamo.reset()
+    reset_cudagraph_trees()
+    gc.collect()
+    torch.cuda.synchronize()
     return {"compiled": compiled, "eager": run(False), "skips": skips}
 
 
@@ -273,7 +284,7 @@ def _fsdp_steps(rank, world, recipe, steps=3, fp8_gather=False, compiled=False):
 
     model[0].register_forward_pre_hook(record)  # after FSDP2's own: sees the unsharded weight
     run = torch.compile(model, backend="aot_eager") if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=True)  # as on CUDA by default: multi-tensor updates
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randn(M, K, generator=gen).to(DEV)
