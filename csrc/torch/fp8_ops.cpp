@@ -450,11 +450,12 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
   const auto f32 = x.options().dtype(at::kFloat), q = x.options().dtype(at::kFloat8_e4m3fn);
   // An operand given in FP8 is not cast: its data and scales are used as
   // they are; its transposed copy, where asked for (one scale: checked),
-  // is its codes transposed under the same scale.
+  // is its codes transposed under the same scale (a copy of it: an op's
+  // output may not alias its inputs).
   auto given = [&](const at::Tensor& data, const at::Tensor& scale, bool transpose) {
     const at::Tensor d = data.contiguous(), s = scale.contiguous();
     return CastOut{d, s, transpose ? be.transpose_codes(d) : at::empty({0}, q),
-                   transpose ? s : at::empty({0}, f32), at::Tensor()};
+                   transpose ? s.clone() : at::empty({0}, f32), at::Tensor()};
   };
   const CastOut cx = x_fp8 ? given(x, *e.x_scale, save_x_t)
                            : be.cast(x.contiguous(), r.activation(), Format::kE4M3, save_x_t, sx, r.pow2);
@@ -574,7 +575,8 @@ at::Tensor gemm_cpu_impl(const at::Tensor& a, const at::Tensor& scale_a, const a
   return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
 }
 
-at::Tensor transpose_codes_cpu(const at::Tensor& codes) { return codes.t().contiguous(); }
+// A copy always (.contiguous() of a transposed [1, K] is the input itself).
+at::Tensor transpose_codes_cpu(const at::Tensor& codes) { return codes.t().clone(at::MemoryFormat::Contiguous); }
 
 const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_cpu_impl, &scale_from_amax_cpu,
                           &transpose_codes_cpu};
