@@ -52,6 +52,8 @@ def test_rows_and_bars_from_given_times():
     assert tw["x_bf16"] == pytest.approx(10 / 6.5) and tw["bar"] == "ok"
     assert tw["x_allgather_MB"] == pytest.approx(2 * seq * d / 1e6)  # FP8: one byte per element of the whole x
     assert rows["lowbit:tensorwise, bf16 all-gather"]["x_allgather_MB"] == pytest.approx(2 * 2 * seq * d / 1e6)
+    assert rows["lowbit:delayed"]["x_allgather_MB"] == tw["x_allgather_MB"]  # delayed gathers FP8 too
+    assert rows["lowbit:rowwise"]["x_allgather_MB"] == pytest.approx(2 * 2 * seq * d / 1e6)
     flops = 2 * 3 * 2.0 * 2 * seq * d * h / 2
     assert tw["%floor"] == pytest.approx(100 * flops / HW.fp8_flops / 6.5e-3)
     assert rows["bf16"]["%floor"] == pytest.approx(100 * flops / HW.bf16_flops / 10e-3)

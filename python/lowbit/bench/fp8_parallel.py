@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.bench.harness import Hardware
+from lowbit.fp8_parallel import FP8_GATHER_RECIPES
 
 WORLD = 2
 SEQ_PER_GPU, D, HIDDEN = 8192, 4096, 14336
@@ -195,7 +196,9 @@ def make_rows(hw: Hardware | None, seq: int, d: int, hidden: int, world: int, ti
             row["x_allgather_MB"] = gathered[name.rsplit(" ", 1)[1]] / 1e6
             rows.append(row)
             continue
-        fp8_gather = name == "lowbit:tensorwise"
+        # The recipes whose column layer all-gathers x in FP8 (not the
+        # "bf16 all-gather" variant, whose name carries more after the recipe).
+        fp8_gather = name.startswith("lowbit:") and name.split(":", 1)[1] in FP8_GATHER_RECIPES
         row["x_allgather_MB"] = gathered["fp8" if fp8_gather else "bf16"] / 1e6
         if bf16 is not None:
             row["x_bf16"] = bf16 / t
