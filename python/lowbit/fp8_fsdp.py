@@ -48,14 +48,14 @@ from torch.utils._pytree import tree_map
 FSDP_FP8_RECIPES = ("tensorwise", "delayed")
 
 _aten = torch.ops.aten
-# Ops after which the result is still "the weight" (views, copies, in-place
-# updates: what FSDP2's sharding and the optimizer do to a parameter).
+# Ops whose result is still "the weight" (views and copies: what FSDP2's
+# sharding does to a parameter); in-place ops return the wrapper written.
 _KEEPS_WRAPPER = {
     _aten.detach.default, _aten.alias.default, _aten.view.default, _aten._unsafe_view.default,
     _aten.as_strided.default, _aten.slice.Tensor, _aten.split.Tensor, _aten.split_with_sizes.default,
     _aten.chunk.default, _aten.narrow.default, _aten.clone.default, _aten.empty_like.default,
     _aten.new_zeros.default, _aten.new_empty.default, _aten.new_empty_strided.default, _aten.zeros_like.default,
-    _aten._to_copy.default, _aten.copy_.default, _aten.t.default, _aten.transpose.int,
+    _aten._to_copy.default, _aten.t.default, _aten.transpose.int,
 }
 
 
