@@ -21,9 +21,14 @@ floor), ``bar`` and ``note``.
 Bars (issue 41), on 2 GPUs: tensorwise FP8 >= 1.4x BF16, communication
 included; its all-gather moves <= 55% of BF16's bytes.
 
-torchao: its float8 tensor parallelism goes through DTensor
-(``Float8ColwiseParallel`` and friends), a different module structure;
-not compared yet (its row reads n/a with this reason).
+torchao (0.18, a benchmark-only dependency): the same block converted
+with ``convert_to_float8_training`` (tensorwise) and parallelized over
+DTensor with ``Float8ColwiseParallel(input_layouts=Shard(0))`` and
+``Float8RowwiseParallel(output_layouts=Shard(0))``: the same TP + SP
+layout, x all-gathered in FP8, the output reduce-scattered. Its row reads
+n/a with the reason where torchao is not importable or the block fails
+(gloo, for one, has no FP8 all-gather). This provider has not run on GPUs
+yet.
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 BAR_X_BF16 = 1.4
 BAR_BYTES = 0.55
 COLUMNS = ["provider", "tokens/GPU", "us", "x_bf16", "x_allgather_MB", "%floor", "bar", "note"]
-TORCHAO_NOTE = "torchao's float8 tensor parallelism is DTensor-based (Float8ColwiseParallel); not compared yet"
 
 
 class Bf16ParallelLinear(nn.Module):
@@ -107,6 +111,25 @@ def block_tensors(device, seq: int, d: int, hidden: int) -> tuple:
     return up, down, x, dy
 
 
+def _torchao_block(up: nn.Linear, down: nn.Linear, pg) -> nn.Module:
+    """The block in torchao's float8 training (tensorwise) under its DTensor
+    tensor + sequence parallelism (module docstring); ImportError without
+    torchao."""
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    block = nn.Sequential(copy.deepcopy(up), nn.GELU(approximate="tanh"), copy.deepcopy(down))
+    convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    mesh = DeviceMesh.from_group(pg, up.weight.device.type)
+    return parallelize_module(block, mesh, {"0": Float8ColwiseParallel(input_layouts=Shard(0)),
+                                            "2": Float8RowwiseParallel(output_layouts=Shard(0))})
+
+
 def _timer(device):
     """now() in seconds, after the device's queued work."""
     def now():
@@ -127,9 +150,6 @@ def build_and_time(rank: int, world: int, device, seq: int, d: int, hidden: int,
     up, down, x, dy = block_tensors(device, seq, d, hidden)
     steps, notes = {}, {}
     for name in provider_names():
-        if name == "torchao":
-            notes[name] = TORCHAO_NOTE
-            continue
         if name.startswith("all-gather"):
             from lowbit.fp8_parallel import _all_gather, group_name
 
@@ -138,7 +158,8 @@ def build_and_time(rank: int, world: int, device, seq: int, d: int, hidden: int,
             continue
         failed = torch.zeros(1, device=device)
         try:
-            block = torch.compile(_block(name, up, down, pg), backend=backend, fullgraph=True)
+            module = _torchao_block(up, down, pg) if name == "torchao" else _block(name, up, down, pg)
+            block = torch.compile(module, backend=backend, fullgraph=True)
 
             def step(block=block):
                 y = block(x)
@@ -198,7 +219,7 @@ def make_rows(hw: Hardware | None, seq: int, d: int, hidden: int, world: int, ti
             continue
         # The recipes whose column layer all-gathers x in FP8 (not the
         # "bf16 all-gather" variant, whose name carries more after the recipe).
-        fp8_gather = name.startswith("lowbit:") and name.split(":", 1)[1] in FP8_GATHER_RECIPES
+        fp8_gather = name == "torchao" or (name.startswith("lowbit:") and name.split(":", 1)[1] in FP8_GATHER_RECIPES)
         row["x_allgather_MB"] = gathered["fp8" if fp8_gather else "bf16"] / 1e6
         if bf16 is not None:
             row["x_bf16"] = bf16 / t
