@@ -499,6 +499,17 @@ def assert_fp8_form(mod, want):
                            t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t), name
 
 
+def test_auto_threshold_is_32_routed_rows_per_expert():
+    # compute="auto" switches where bench moe measured the FP8 path ahead on
+    # every DeepSeek layer (docs/perf/log/moe.md, "MoE v13"): tokens x k / E >= 32.
+    assert auto_moe_fp8_min_rows(256, 8) == 1024  # DSV3
+    assert auto_moe_fp8_min_rows(256, 6) == 1366  # DSV4-Flash: ceil(1365.3)
+    assert auto_moe_fp8_min_rows(384, 6) == 2048  # DSV4-Pro
+    for e, k in ((256, 8), (256, 6), (384, 6), (7, 3)):
+        rows = auto_moe_fp8_min_rows(e, k)
+        assert rows * k >= 32 * e > (rows - 1) * k
+
+
 @pytest.mark.parametrize("shared_i", [None, 32, 16], ids=["no-shared", "fused", "separate"])
 def test_compute_modes_match_the_op(shared_i):
     gen = torch.Generator().manual_seed(121)
