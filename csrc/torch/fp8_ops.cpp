@@ -293,6 +293,19 @@ at::ScalarType forward_out_dtype(const at::Tensor& x, const ForwardExtras& e) {
   return x.scalar_type();
 }
 
+// x_amax / w_amax: the amax of an operand given in FP8, for the delayed
+// history: a float32 scalar on x's device, only with that operand in FP8.
+void check_given_amax(const c10::optional<at::Tensor>& amax, bool operand_in_fp8, const at::Tensor& x,
+                      const Recipe& r, const char* arg, const char* what, const char* needs) {
+  if (!amax.has_value()) return;
+  TORCH_CHECK_VALUE(operand_in_fp8 && r.kind == Recipe::Kind::kDelayed, "lowbit.", kForward, ": argument '", arg,
+                    "' is the amax of ", what, " for the delayed history: it needs '", needs,
+                    "' and recipe \"delayed\"");
+  check_dtype(*amax, kForward, arg, {at::kFloat});
+  check_same_device(*amax, x, kForward, arg, "x");
+  check_shape(*amax, c10::SymDimVector{}, kForward, arg);
+}
+
 void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           const at::Tensor& amax_history, const Recipe& r, bool save_x_t, bool save_w_t,
                           const ForwardExtras& e) {
@@ -310,22 +323,8 @@ void check_linear_forward(const at::Tensor& x, const at::Tensor& weight, const c
   } else {
     check_float_input(x, kForward, "x");
   }
-  if (e.x_amax.has_value()) {
-    TORCH_CHECK_VALUE(e.x_scale.has_value() && r.kind == Recipe::Kind::kDelayed, "lowbit.", kForward,
-                      ": argument 'x_amax' is the amax of an FP8 'x' for the delayed history: it needs 'x_scale' and "
-                      "recipe \"delayed\"");
-    check_dtype(*e.x_amax, kForward, "x_amax", {at::kFloat});
-    check_same_device(*e.x_amax, x, kForward, "x_amax", "x");
-    check_shape(*e.x_amax, c10::SymDimVector{}, kForward, "x_amax");
-  }
-  if (e.w_amax.has_value()) {
-    TORCH_CHECK_VALUE(e.w_fp8.has_value() && r.kind == Recipe::Kind::kDelayed, "lowbit.", kForward,
-                      ": argument 'w_amax' is the amax of an FP8 W for the delayed history: it needs 'w_fp8' and "
-                      "recipe \"delayed\"");
-    check_dtype(*e.w_amax, kForward, "w_amax", {at::kFloat});
-    check_same_device(*e.w_amax, x, kForward, "w_amax", "x");
-    check_shape(*e.w_amax, c10::SymDimVector{}, kForward, "w_amax");
-  }
+  check_given_amax(e.x_amax, e.x_scale.has_value(), x, r, "x_amax", "an FP8 'x'", "x_scale");
+  check_given_amax(e.w_amax, e.w_fp8.has_value(), x, r, "w_amax", "an FP8 W", "w_fp8");
   const at::ScalarType od = forward_out_dtype(x, e);
   TORCH_CHECK_TYPE(od == at::kBFloat16 || od == at::kHalf || od == at::kFloat, "lowbit.", kForward,
                    ": argument 'out_dtype' must be bfloat16, float16 or float32, got ", od);
