@@ -127,11 +127,11 @@ class Fp8ShardedWeight(torch.Tensor):
                                           "e4m3")
         else:
             scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, recipe.pow2_scales)[1]
+        codes = ops.fp8_cast(shard.contiguous(), "tensor", "e4m3", False, scale, recipe.pow2_scales)[0]
+        codes = codes.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows
-        codes = torch.zeros(rows, shard.shape[1], dtype=torch.uint8, device=shard.device)
-        if shard.numel():
-            codes[: shard.shape[0]] = ops.fp8_cast(shard.contiguous(), "tensor", "e4m3", False, scale,
-                                                   recipe.pow2_scales)[0].view(torch.uint8)
+        if codes.shape[0] < rows:  # an uneven last shard: zero rows to the padded size
+            codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], codes.shape[1])])
         return (codes,), (scale, amax.reshape(()))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -102,6 +102,20 @@ def test_layer_with_the_gathered_weight_trains_as_the_layer_casting_w(recipe):
         ref.weight.grad = None
 
 
+@pytest.mark.parametrize("rows", [53, 0], ids=["uneven", "empty"])
+def test_uneven_shard_is_padded_with_zero_codes(rows):
+    # FSDP2 gathers equal-sized shards: a last shard shorter than ceil(N /
+    # world) rows goes out padded (here one rank, padded to all 160 rows).
+    module = layer()
+    shard = module.weight.detach()[:rows]
+    (codes,), (scale, _) = Fp8ShardedWeight(shard).fsdp_pre_all_gather(OneRankMesh(), (160, 96), (96, 1), module,
+                                                                         None)
+    assert codes.shape == (160, 96) and codes.dtype == torch.uint8
+    if rows:
+        assert torch.equal(codes[:rows], lowbit.fp8_cast(shard, "tensor", scale=scale).data.view(torch.uint8))
+    assert not codes[rows:].any()
+
+
 def test_layer_with_a_sharded_weight_outside_fsdp_casts_w_itself():
     ref, got = layer(), layer()
     assert enable_fsdp_fp8_all_gather(got) == 1 and isinstance(got.weight.data, Fp8ShardedWeight)
