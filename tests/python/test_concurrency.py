@@ -678,25 +678,30 @@ def add_fp8_cases(b: Builder):
 
     # x and W given in FP8 under one scale (an FP8 all-gather): their
     # transposed copies are the codes transposed (fp8_cast.cu
-    # transpose_codes_kernel), 16-byte and byte paths; bit for bit.
+    # transpose_codes_kernel), 16-byte and byte paths; bit for bit. The op
+    # runs its GEMM too ("cuBLASLt" in the name: the sanitizers that cannot
+    # follow cuBLAS skip it); with a W of no rows there is no GEMM to run,
+    # so the "alone" cases give them the transpose kernel by itself.
     tm, tn, tk = (192, 80, 272) if b.small else (4096, 1024, 2048)
     for rows, cols in ((tm, tk), (tm - 5, tk + 3)):
-        xq = lowbit.fp8_cast(b.randn(rows, cols, gen=g, dtype=torch.bfloat16), "tensor")
-        wq = lowbit.fp8_cast(b.randn(tn, cols, gen=g, dtype=torch.bfloat16), "tensor")
-        w_hp = torch.zeros(tn, cols, device=b.device, dtype=torch.bfloat16)
-        state = lowbit.fp8_state(Fp8Recipe("tensorwise"), device=b.device)
+        for n, what in ((tn, "x and W transposed, cuBLASLt GEMM"), (0, "x transposed alone")):
+            xq = lowbit.fp8_cast(b.randn(rows, cols, gen=g, dtype=torch.bfloat16), "tensor")
+            wq = lowbit.fp8_cast(b.randn(n, cols, gen=g, dtype=torch.bfloat16), "tensor")
+            w_hp = torch.zeros(n, cols, device=b.device, dtype=torch.bfloat16)
+            state = lowbit.fp8_state(Fp8Recipe("tensorwise"), device=b.device)
 
-        def transposed(xq=xq, wq=wq, w_hp=w_hp, state=state):
-            out = torch.ops.lowbit.fp8_linear_forward(xq.data, w_hp, None, state, "tensorwise", x_scale=xq.scale,
-                                                      out_dtype=torch.bfloat16, w_fp8=wq.data, w_fp8_scale=wq.scale)
-            return out[1], out[3]
+            def transposed(xq=xq, wq=wq, w_hp=w_hp, state=state):
+                out = torch.ops.lowbit.fp8_linear_forward(xq.data, w_hp, None, state, "tensorwise",
+                                                          x_scale=xq.scale, out_dtype=torch.bfloat16,
+                                                          w_fp8=wq.data, w_fp8_scale=wq.scale)
+                return out[1], out[3]
 
-        def check_transposed(out, xq=xq, wq=wq):
-            want = [xq.data.cpu().view(torch.uint8).t(), wq.data.cpu().view(torch.uint8).t()]
-            return None if same_bits([t.cpu().view(torch.uint8) for t in out], want) else "differs from the codes"
+            def check_transposed(out, xq=xq, wq=wq):
+                want = [xq.data.cpu().view(torch.uint8).t(), wq.data.cpu().view(torch.uint8).t()]
+                return None if same_bits([t.cpu().view(torch.uint8) for t in out], want) else "differs from the codes"
 
-        b.add("fp8_cast", f"FP8 x and W transposed (fp8_linear_forward, given operands) {rows}x{cols}",
-              transposed, check_transposed)
+            b.add("fp8_cast", f"FP8 {what} (fp8_linear_forward, given operands) {rows}x{cols}", transposed,
+                  check_transposed)
 
     gm, gn, gk = (128, 256, 512) if b.small else (1024, 2048, 1536)
     g = b.gen("fp8 gemm")

@@ -16,8 +16,10 @@ import copy
 import datetime
 import faulthandler
 import gc
+import os
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -63,6 +65,7 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=SPAWN_DEADLINE_S / 2),
                             device_id=DEV if device == "cuda" else None)
+    saved = False
     try:
         results = {case: _mlp(rank, world, *case) for case in cases}
         if "errors" in extras:
@@ -80,8 +83,43 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
         if "graphs" in extras:
             results["graphs"] = _reduce_overhead(rank, world)
         torch.save(_cpu(results), f"{out_dir}/{rank}.pt")
+        saved = True
     finally:
+        if "graphs" in extras:
+            _bounded_teardown(f"{out_dir}/{rank}.teardown", saved)
         dist.destroy_process_group()
+
+
+TEARDOWN_S = 30  # how long a worker whose CUDA graphs captured NCCL collectives waits for destroy_process_group
+
+
+def _bounded_teardown(marker: str, saved: bool) -> None:
+    """destroy_process_group with a deadline, then the process ends.
+
+    After CUDA graphs have captured NCCL collectives, NCCL's communicator
+    teardown waits until every such graph is destroyed (PyTorch issue
+    115388, open); on 2 H100s it never returned here, though the
+    cudagraph trees had been reset (251ff98, a7a03af). The results are
+    saved by then (``saved``; if not, the error is printed and the worker
+    fails), so the worker writes whether the teardown finished ("ok" or
+    "timed out") and exits without waiting longer."""
+    import threading
+    import traceback
+
+    if not saved:
+        traceback.print_exc()
+
+    done = threading.Event()
+
+    def destroy():
+        dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True).start()
+    finished = done.wait(TEARDOWN_S)
+    with open(marker, "w") as f:
+        f.write("ok" if finished else "timed out")
+    os._exit(0 if saved else 1)  # a hung communicator would also hang the interpreter's exit
 
 
 SPAWN_DEADLINE_S = 240  # a spawn's workers still running after this are stopped, and the test fails
@@ -100,7 +138,13 @@ def spawn(cases, extras=(), device="cpu"):
                     p.kill()
                 pytest.fail(f"the {WORLD} workers ({device}) still ran after {SPAWN_DEADLINE_S} s: a collective "
                             f"that not every rank joined, or a hang; cases {cases}, extras {extras}")
-        return [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
+        results = [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
+        for r, res in enumerate(results):
+            marker = f"{d}/{r}.teardown"
+            if os.path.exists(marker):
+                with open(marker) as f:
+                    res["teardown"] = f.read()
+        return results
 
 
 def _layers(dtype=torch.float32, seed=0):
@@ -578,6 +622,11 @@ def test_cuda_nccl_reduce_overhead_captures_the_collectives():
     # mode="reduce-overhead": the TP + SP block's collectives inside the
     # CUDA graphs, no CUDA-graph skip, every step bitwise the eager step.
     for r in spawn([], ("graphs",), device="cuda"):
+        if r.get("teardown") != "ok":
+            # Not this test's subject (the captured steps are), but worth
+            # seeing in the report: docs/fp8-training.md, "Across GPUs".
+            warnings.warn(f"destroy_process_group after the CUDA graphs: {r.get('teardown', 'no marker')} "
+                          f"within {TEARDOWN_S} s (PyTorch issue 115388)")
         g = r["graphs"]
         assert g["skips"] == 0, g["skips"]
         for step, (got, want) in enumerate(zip(g["compiled"], g["eager"])):
