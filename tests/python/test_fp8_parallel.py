@@ -221,8 +221,8 @@ def _fp8_gather(rank, world):
 def _reduce_overhead(rank, world, steps=3):
     """The tensorwise sequence-parallel MLP (FP8 all-gather) compiled with
     mode="reduce-overhead" (CUDA graphs, the collectives inside them) and
-    eagerly, on the same inputs: each step's y, dx and both weights'
-    gradients, and the number of CUDA-graph skips."""
+    eagerly, on the same inputs: each step's y, dx and both layers'
+    weight and bias gradients, and the number of CUDA-graph skips."""
     from torch._dynamo.utils import counters
 
     def run(compiled):
@@ -234,13 +234,20 @@ def _reduce_overhead(rank, world, steps=3):
         block = lambda t: t_down(t_up(t))  # noqa: E731
         if compiled:
             block = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+        params = [t_up.weight, t_up.bias, t_down.weight, t_down.bias]
         outs = []
         for i in range(steps):
+            # As a training loop under mode="reduce-overhead" does: each
+            # step a new generation of the graphs' outputs, and every
+            # gradient taken out before the next step (a .grad left to
+            # accumulate would be read after the next replay overwrote it).
+            torch.compiler.cudagraph_mark_step_begin()
             xi = (x.chunk(world)[rank] * (1 + i)).clone().requires_grad_()
             y = block(xi)
             y.backward(dy.chunk(world)[rank])
-            outs.append([y.detach().clone(), xi.grad.clone(), t_up.weight.grad.clone(), t_down.weight.grad.clone()])
-            t_up.weight.grad = t_down.weight.grad = None
+            outs.append([y.detach().clone(), xi.grad.clone()] + [p.grad.clone() for p in params])
+            for p in params:
+                p.grad = None
         return outs
 
     counters.clear()
@@ -630,5 +637,6 @@ def test_cuda_nccl_reduce_overhead_captures_the_collectives():
         g = r["graphs"]
         assert g["skips"] == 0, g["skips"]
         for step, (got, want) in enumerate(zip(g["compiled"], g["eager"])):
-            for name, a, b in zip(("y", "dx", "up.weight.grad", "down.weight.grad"), got, want):
+            for name, a, b in zip(("y", "dx", "up.weight.grad", "up.bias.grad", "down.weight.grad",
+                                   "down.bias.grad"), got, want):
                 assert torch.equal(a, b), (step, name)
