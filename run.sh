@@ -6,7 +6,8 @@
 #   bash run.sh demo [args]   build, then python -m lowbit.demo [args]
 #   bash run.sh bench SUITE   build, then python -m lowbit.bench SUITE ...
 # Set PYTHON=/path/to/python to use an existing environment that already has
-# torch (and pytest) instead of .venv; nothing is installed then.
+# torch (and pytest) instead of .venv; nothing is installed then. Builds use
+# the system g++ (LOWBIT_CXX=/path/to/c++ for another).
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -30,6 +31,12 @@ setup() {
 
 build() {
   setup
+  # The system g++, whose libstdc++ is the one the process loads: a
+  # compiler that links parts of libstdc++ into the library makes one that
+  # crashes in its string formatting (docs/ARCHITECTURE.md, "Toolchain").
+  # LOWBIT_CXX picks another; CXX is read at the first configure only.
+  export CXX=${LOWBIT_CXX:-$(command -v g++ || echo c++)}
+  export CUDAHOSTCXX=${CUDAHOSTCXX:-$CXX}
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
   if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] || ! grep -qE "^Python3_EXECUTABLE:[A-Z]+=$PYTHON\$" "$BUILD_DIR/CMakeCache.txt"; then

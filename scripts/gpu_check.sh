@@ -37,10 +37,7 @@ TOOLS=${TOOLS:-memcheck racecheck synccheck initcheck}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-75}
 SANITIZE_FAMILIES=${SANITIZE_FAMILIES:-}
 BUILD_DIR=${BUILD_DIR:-build}
-# Build with the system compiler, whose libstdc++ is the one loaded at run
-# time (see docs/ARCHITECTURE.md, "Toolchain"); LOWBIT_CXX overrides it.
-export CXX=${LOWBIT_CXX:-$(command -v g++)}
-export CUDAHOSTCXX=$CXX
+# run.sh build picks the compiler (the system g++; LOWBIT_CXX overrides it).
 if [[ -d .deps/gtest ]]; then export CMAKE_ARGS="${CMAKE_ARGS:-} -DGTEST_ROOT=$PWD/.deps/gtest"; fi
 
 summary=()   # "| phase | result | seconds |" rows

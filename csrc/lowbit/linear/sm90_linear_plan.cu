@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 
 #include "lowbit/arch/cuda_utils.cuh"
@@ -496,52 +495,54 @@ int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
 }
 
 // ---- the plan in words -------------------------------------------------------
+// Built with std::string and std::to_string, not an ostringstream: this file
+// is host code compiled through nvcc, and on one GPU machine (2 H200s) its
+// own instantiation of ostream's integer insertion crashed
+// (docs/ARCHITECTURE.md, "Toolchain").
 namespace {
 
+std::string num(int64_t n) { return std::to_string(n); }
 // "1 warp", "8 warps".
-std::string count(int64_t n, const char* one, const char* many) {
-  return std::to_string(n) + " " + (n == 1 ? one : many);
-}
+std::string count(int64_t n, const char* one, const char* many) { return num(n) + " " + (n == 1 ? one : many); }
 // "K unsplit" or "K in 3 splits".
 std::string k_splits(int64_t splits) { return splits == 1 ? "K unsplit" : "K in " + count(splits, "split", "splits"); }
 
 // The kernel form and its shape, from the plan alone.
-void describe_kernel(std::ostream& s, const LinearPlan& p) {
+std::string describe_kernel(const LinearPlan& p) {
+  std::string s;
   switch (p.path) {
     case LinearPath::kStream:
-      if (p.stream_k_ctas > 0 && p.stream_tiles != 2) {  // as linear_fused_cuda launches it
-        s << "stream-K (sm90_linear_stream_k.cu): " << p.stream_k_ctas << " CTAs of " << count(p.warps, "warp", "warps")
-          << " in one wave, each on an equal run of (W tile, k-tile) units across W tiles, a tile's pieces "
-             "added in k order";
-        return;
-      }
-      s << "stream (sm90_linear_stream.cu): " << count(p.warps, "warp", "warps") << " per CTA, "
-        << count(p.stream_tiles, "W tile", "W tiles") << " per warp, rings of " << p.stream_stages << " slots, "
-        << k_splits(p.splits);
-      if (p.ctas_per_sm > 0) s << ", at most " << count(p.ctas_per_sm, "CTA", "CTAs") << " per SM";
-      return;
+      if (p.stream_k_ctas > 0 && p.stream_tiles != 2)  // as linear_fused_cuda launches it
+        return "stream-K (sm90_linear_stream_k.cu): " + num(p.stream_k_ctas) + " CTAs of " +
+               count(p.warps, "warp", "warps") +
+               " in one wave, each on an equal run of (W tile, k-tile) units across W tiles, a tile's pieces "
+               "added in k order";
+      s = "stream (sm90_linear_stream.cu): " + count(p.warps, "warp", "warps") + " per CTA, " +
+          count(p.stream_tiles, "W tile", "W tiles") + " per warp, rings of " + num(p.stream_stages) + " slots, " +
+          k_splits(p.splits);
+      if (p.ctas_per_sm > 0) s += ", at most " + count(p.ctas_per_sm, "CTA", "CTAs") + " per SM";
+      return s;
     case LinearPath::kNarrow:
-      s << "narrow (sm90_linear_stream.cu): " << count(p.warps, "warp", "warps") << " per 16-row W tile, "
-        << count(p.mt, "m-tile", "m-tiles") << " of 8 rows per warp, " << k_splits(p.splits);
-      return;
+      return "narrow (sm90_linear_stream.cu): " + count(p.warps, "warp", "warps") + " per 16-row W tile, " +
+             count(p.mt, "m-tile", "m-tiles") + " of 8 rows per warp, " + k_splits(p.splits);
     case LinearPath::kPanel:
-      s << "panel (sm90_linear_panel.cu): " << mma::kPanelWarps << " warps on " << 16 * mma::kPanelWarps
-        << " W rows, " << k_splits(p.splits);
+      s = "panel (sm90_linear_panel.cu): " + num(mma::kPanelWarps) + " warps on " + num(16 * mma::kPanelWarps) +
+          " W rows, " + k_splits(p.splits);
       break;
     case LinearPath::kWide:
-      s << "wide (sm90_linear_wide.cu) on " << (p.wide_wgmma ? "wgmma after an x image pass" : "mma.sync")
-        << ": 128 W rows x " << 8 * p.mt << " rows of x per CTA, " << k_splits(p.splits);
+      s = std::string("wide (sm90_linear_wide.cu) on ") +
+          (p.wide_wgmma ? "wgmma after an x image pass" : "mma.sync") + ": 128 W rows x " + num(8 * p.mt) +
+          " rows of x per CTA, " + k_splits(p.splits);
       break;
     case LinearPath::kWgmma:
-      s << "wgmma (sm90_linear_wgmma.cu): 128 W rows x " << p.mt << " tokens per CTA, W decoded into shared "
-        << "memory, " << k_splits(p.splits) << (p.splits > 1 ? " (a cluster)" : "")
-        << (p.wgmma_pair ? ", CTAs in pairs that share the decode" : "");
-      return;
+      return "wgmma (sm90_linear_wgmma.cu): 128 W rows x " + num(p.mt) +
+             " tokens per CTA, W decoded into shared memory, " + k_splits(p.splits) +
+             (p.splits > 1 ? " (a cluster)" : "") + (p.wgmma_pair ? ", CTAs in pairs that share the decode" : "");
     case LinearPath::kUnpack:
-      s << "unpack + cuBLAS (the binding): the weight unpacked to x's dtype, then at::linear";
-      return;
+      return "unpack + cuBLAS (the binding): the weight unpacked to x's dtype, then at::linear";
   }
-  if (p.splits > 1) s << (p.splits_in_cluster ? " added in a cluster" : " added through FP32 partials");
+  if (p.splits > 1) s += p.splits_in_cluster ? " added in a cluster" : " added through FP32 partials";
+  return s;
 }
 
 }  // namespace
@@ -549,25 +550,23 @@ void describe_kernel(std::ostream& s, const LinearPlan& p) {
 std::string explain_linear_plan(int64_t m, int64_t n, int64_t k, const LinearPlanOverrides& overrides) {
   const LinearPlan p = linear_plan(m, n, k, overrides);
   const bool stream_k = p.path == LinearPath::kStream && p.stream_k_ctas > 0 && p.stream_tiles != 2;
-  std::ostringstream s;
-  s << "path: " << linear_path_name(p.path) << "\n";
-  s << "form: " << (stream_k ? "stream-k" : linear_path_name(p.path)) << "\n";
-  s << "kernel: ";
-  describe_kernel(s, p);
-  s << "\n";
-  s << "why: " << p.rule << (p.fallback ? "; then " : "") << (p.fallback ? p.fallback : "") << "\n";
-  s << "workspace: " << p.workspace_bytes << " bytes";
+  std::string s;
+  s += std::string("path: ") + linear_path_name(p.path) + "\n";
+  s += std::string("form: ") + (stream_k ? "stream-k" : linear_path_name(p.path)) + "\n";
+  s += "kernel: " + describe_kernel(p) + "\n";
+  s += std::string("why: ") + p.rule + (p.fallback ? "; then " : "") + (p.fallback ? p.fallback : "") + "\n";
+  s += "workspace: " + num(p.workspace_bytes) + " bytes";
   if (stream_k)
-    s << " (the pieces' partial sums and flags)";
+    s += " (the pieces' partial sums and flags)";
   else if (p.wide_wgmma)
-    s << " (the x image" << (p.workspace_bytes > wide_image_bytes(m, k, p.mt) ? ", then FP32 partials)" : ")");
+    s += std::string(" (the x image") + (p.workspace_bytes > wide_image_bytes(m, k, p.mt) ? ", then FP32 partials)" : ")");
   else if (p.workspace_bytes > 0)
-    s << " (FP32 partials of the K splits)";
-  s << "\n";
-  s << "device: " << cuda::num_sms() << " SMs, " << cuda::smem_per_sm() / 1024 << " KB of shared memory per SM\n";
+    s += " (FP32 partials of the K splits)";
+  s += "\n";
+  s += "device: " + num(cuda::num_sms()) + " SMs, " + num(cuda::smem_per_sm() / 1024) + " KB of shared memory per SM\n";
   const std::string forced = to_plan_string(overrides);
-  s << "plan: " << (forced.empty() ? "the shipped plan (no overrides)" : forced) << "\n";
-  return s.str();
+  s += "plan: " + (forced.empty() ? std::string("the shipped plan (no overrides)") : forced) + "\n";
+  return s;
 }
 
 }  // namespace lowbit::nvfp4::gemm
