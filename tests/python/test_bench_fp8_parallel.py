@@ -67,3 +67,10 @@ def test_rows_and_bars_from_given_times():
     assert rows["all-gather x: fp8"]["x_allgather_MB"] * 2 == rows["all-gather x: bf16"]["x_allgather_MB"]
     slow = fp8_parallel.make_rows(HW, seq, d, h, 2, dict(times, **{"lowbit:tensorwise": 8e-3}), notes)
     assert next(r for r in slow if r["provider"] == "lowbit:tensorwise")["bar"] == "MISS: x_bf16 < 1.4"
+    # Every lowbit recipe that gathers x in FP8 is checked; the others,
+    # which gather BF16, have no bar (no byte saving to show).
+    assert rows["lowbit:delayed"]["bar"] == "MISS: x_bf16 < 1.4"  # 10 / 7.5 = 1.33
+    assert "bar" not in rows["lowbit:rowwise"] and "bar" not in rows["lowbit:tensorwise, bf16 all-gather"]
+    fast = {r["provider"]: r for r in fp8_parallel.make_rows(HW, seq, d, h, 2, dict(times, **{"lowbit:delayed": 7e-3}),
+                                                              notes)}
+    assert fast["lowbit:delayed"]["bar"] == "ok"
