@@ -443,7 +443,10 @@ def test_column_then_row_compile_fullgraph():
 
 
 def test_argument_errors_name_the_argument():
-    errors = spawn([], ("errors",))[0]["errors"]
+    _check_argument_errors(spawn([], ("errors",))[0]["errors"])
+
+
+def _check_argument_errors(errors):
     assert "argument 'out_features' (513) must be divisible by the process group's size (2)" in errors[0]
     assert "argument 'in_features' (257) must be divisible by the process group's size (2)" in errors[1]
     assert "argument 'parallel' must be None, 'column' or 'row', got 'diagonal'" in errors[2]
@@ -595,13 +598,15 @@ two_gpus = pytest.mark.skipif(
 @two_gpus
 def test_cuda_nccl_tensor_and_sequence_parallel():
     # The MLP eagerly (each recipe, with and without sequence parallelism)
-    # and compiled, and the FP8 all-gather (tensorwise, delayed).
+    # and compiled, the FP8 all-gather (tensorwise, delayed), and the
+    # argument errors.
     cases = [(r, sp, False) for r in RECIPES for sp in (False, True)] + [("tensorwise", True, True),
                                                                           ("blockwise", False, True)]
-    results = spawn(cases, ("gather",), device="cuda")
+    results = spawn(cases, ("gather", "errors"), device="cuda")
     for case in cases:
         _check(results, case)
     _check_fp8_gather([r["gather"] for r in results])
+    _check_argument_errors(results[0]["errors"])  # the same messages with an NCCL group
 
 
 @pytest.mark.cuda
