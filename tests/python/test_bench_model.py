@@ -93,3 +93,28 @@ def test_decode_steps_compile():
         got = compiled()
     # aot_eager runs the same ops, some decomposed: BF16 rounding apart
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+def test_plot_from_saved_results(tmp_path, capsys):
+    # The decode plot from a saved run's JSON, on a machine with matplotlib
+    # (the GPU machine may have none); a file of another suite is refused.
+    import json
+
+    rows = [{"model": "v3", "phase": "decode", "tokens": b, "provider": p, "x_bf16": x}
+            for b, x in ((1, 2.7), (8, 2.9), (64, 1.7)) for p in bench_model.PROVIDERS[1:]]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"suite": "model", "rows": rows}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"suite": "linear", "rows": []}))
+    with pytest.raises(SystemExit):
+        bench_model.main(["--plot", str(other)])
+    assert "is not a bench model result" in capsys.readouterr().err
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert bench_model.main(["--plot", str(saved)]) == 2
+        assert "needs matplotlib" in capsys.readouterr().err
+        return
+    out = tmp_path / "decode.png"
+    assert bench_model.main(["--plot", str(saved), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

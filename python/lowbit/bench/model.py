@@ -15,6 +15,10 @@ runs in BF16 and after ``lowbit.quantize_`` with ``compute="w4a16"`` and
   captured runs eagerly, and says so);
 - prefill of 2048 and 8192 tokens (one sequence, no cache), eagerly.
 
+The decode plot (speedup against batch, PNG) goes beside the --json file
+where matplotlib is installed; elsewhere ``python -m lowbit.bench.model
+--plot RESULTS.json`` makes it from the saved rows.
+
 The BF16 MoE runs transformers' grouped_mm experts (``torch._grouped_mm``).
 Columns: ``us`` per step, ``x_bf16``, ``floor_us`` (decode: the weights a
 step must read, at the measured bandwidth: every non-expert weight, the
@@ -335,3 +339,30 @@ def run(hw: Hardware, quick: bool, out_dir: str = "."):
         print(f"# decode speedup plot: {path}")
     return rows, COLUMNS
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowbit.bench.model --plot RESULTS.json [OUT.png]``: the
+    decode plot from a saved run (``python -m lowbit.bench model --json``),
+    for a GPU machine without matplotlib."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m lowbit.bench.model", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--plot", required=True, metavar="RESULTS.json", help="a bench model --json file")
+    parser.add_argument("out", nargs="?", help="the PNG to write (default: beside RESULTS.json)")
+    args = parser.parse_args(argv)
+    with open(args.plot) as f:
+        payload = json.load(f)
+    if payload.get("suite") != "model" or not isinstance(payload.get("rows"), list):
+        parser.error(f"--plot: {args.plot} is not a bench model result (expected suite 'model' and its rows)")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.plot)), "bench_model_decode.png")
+    if plot(payload["rows"], out) is None:
+        print("lowbit.bench.model: the plot needs matplotlib (pip install matplotlib)", file=__import__("sys").stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
