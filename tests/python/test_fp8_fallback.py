@@ -52,6 +52,15 @@ def test_weight_dtype():
     assert y.dtype == torch.bfloat16 and torch.equal(y, reference(mod, x))
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64])
+def test_non_floating_input_is_an_error(dtype):
+    # nn.Linear refuses these; a fallback must not compute and round back
+    # into them (int32 x gave int32 zeros before).
+    mod = layer()
+    with pytest.raises(ValueError, match=rf"argument 'x' must be a floating-point tensor, got dtype {dtype}"):
+        mod(torch.ones(3, 64, dtype=dtype))
+
+
 class Tagged(torch.Tensor):
     pass
 

@@ -142,6 +142,10 @@ def fallback_reason(layer: "Fp8Linear", x: Tensor) -> tuple[str, str] | None:
     Decided from static properties only (types, dtypes, devices), which
     torch.compile guards on, so it never syncs with the device."""
     w, b = layer.weight, layer.bias
+    if not x.dtype.is_floating_point:
+        # nn.Linear refuses these too; a fallback would round its result
+        # back into them.
+        raise ValueError(f"Fp8Linear: argument 'x' must be a floating-point tensor, got dtype {x.dtype}")
     for name, t in (("x", x), ("weight", w), ("bias", b)):
         if _subclass(t):
             return "subclass", f"{name} is a {type(t).__name__}, a tensor subclass; the FP8 ops take plain tensors"
