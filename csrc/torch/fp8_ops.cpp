@@ -6,6 +6,8 @@
 
 #include <torch/library.h>
 
+#include <limits>
+
 #include "checks.h"
 
 namespace lowbit::ops::fp8ops {
@@ -261,12 +263,17 @@ at::Tensor delayed_scales(const Backend& be, const at::Tensor& h, int64_t row0, 
 }
 
 // Rolls history rows [row0, row0 + n) one column towards the old end and
-// writes `amax` [n] into column 0 (the most recent).
+// writes `amax` [n] into column 0 (the most recent). A non-finite amax (an
+// inf or NaN in the tensor) is not recorded: the row's previous most recent
+// value is, so one bad batch does not set the scales of the next L steps
+// (TransformerEngine keeps the previous scale then). `amax < inf` is false
+// for inf and NaN alike.
 void record_amax(at::Tensor h, int64_t row0, const at::Tensor& amax) {
   at::Tensor rows = h.narrow(0, row0, amax.numel());
+  const at::Tensor value = at::where(amax.lt(std::numeric_limits<float>::infinity()), amax, rows.select(1, 0));
   const int64_t len = h.size(1);
   if (len > 1) rows.narrow(1, 1, len - 1).copy_(rows.narrow(1, 0, len - 1).clone());
-  rows.select(1, 0).copy_(amax);
+  rows.select(1, 0).copy_(value);
 }
 
 void check_contiguous(const at::Tensor& t, const char* op, const char* arg) {

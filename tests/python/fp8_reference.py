@@ -176,7 +176,12 @@ def delayed_scale(history_row: torch.Tensor, fmt: str, amax_compute: str, margin
 
 
 def roll(history_row: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    return torch.cat([amax.reshape(1).to(torch.float32), history_row[:-1]])
+    """The row after recording ``amax``; a non-finite amax records the
+    row's most recent value again (docs/fp8.md, delayed scaling)."""
+    amax = amax.reshape(1).to(torch.float32)
+    if not torch.isfinite(amax).all():
+        amax = history_row[:1].clone()
+    return torch.cat([amax, history_row[:-1]])
 
 
 def linear_operands(x, w, dy, recipe, history=None):

@@ -106,6 +106,36 @@ def test_delayed_history_rolls_and_scales_lag_one_step():
         assert state[2, 0] == dy.float().abs().amax()
 
 
+@pytest.mark.parametrize("amax_compute", ["max", "most_recent"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_delayed_history_skips_a_non_finite_amax(amax_compute, bad):
+    # One batch with an inf or NaN in x and in dy: that step's result is
+    # what it is, but the history records the previous amaxes again, so the
+    # steps after it are bitwise those of a twin that saw the step before
+    # again instead (before: NaN scales for the next L steps).
+    recipe = Fp8Recipe("delayed", amax_history_len=3, amax_compute=amax_compute)
+    x, w, b, dy = data((16,), 32, 64, ("non-finite", amax_compute))
+    state, twin = lowbit.fp8_state(recipe), lowbit.fp8_state(recipe)
+    for step in range(2):
+        run(x * (1 + step), w, b, dy * (1 + step), recipe, state)
+        run(x * (1 + step), w, b, dy * (1 + step), recipe, twin)
+    before = state.clone()
+    x_bad, dy_bad = x * 2, dy * 2
+    x_bad[3, 5], dy_bad[7, 1] = bad, bad
+    run(x_bad, w, b, dy_bad, recipe, state)
+    run(x * 2, w, b, dy * 2, recipe, twin)  # the amaxes of the step before, recorded again
+    assert torch.equal(state, twin) and torch.isfinite(state).all()
+    assert torch.equal(state[0, 0], before[0, 0]) and torch.equal(state[2, 0], before[2, 0])
+    assert torch.equal(state[1, 0], w.abs().amax())  # W was finite: recorded
+    for step in range(4):
+        got, want = run(x * 3, w, b, dy * 3, recipe, state), run(x * 3, w, b, dy * 3, recipe, twin)
+        assert all(torch.equal(g, h) for g, h in zip(got, want)) and torch.isfinite(got[0]).all(), step
+    # A layer's first step with an inf: nothing finite to keep, 0 recorded (scale 1 next).
+    first = lowbit.fp8_state(recipe)
+    run(x_bad, w, b, dy, recipe, first)
+    assert first[0, 0] == 0 and first[2, 0] == dy.float().abs().amax()
+
+
 def test_stateless_recipes_have_empty_state():
     for name in ("tensorwise", "rowwise", "blockwise"):
         assert lowbit.fp8_state(Fp8Recipe(name)).shape == (0,)
