@@ -105,6 +105,11 @@ def _computes_linear(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
 
 
+def _is_lazy(mod: nn.Module) -> bool:
+    # nn.LazyLinear before its first forward: in_features 0, no weight yet.
+    return any(isinstance(p, nn.parameter.UninitializedParameter) for p in mod.parameters(recurse=False))
+
+
 def _check_policy(policy: str, who: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"{who}: policy must be one of {POLICIES}, got {policy!r}")
@@ -122,6 +127,8 @@ def fp8_training_plan(
     ``nn.Linear`` computing ``x W^T + b`` (other subclasses of ``nn.Linear``
     are not listed), in module order."""
     _check_policy(policy, "fp8_training_plan")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_to_fp8_training: argument 'model' must be an nn.Module, got {type(model).__name__}")
     names_of: dict[int, list[str]] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         if name:  # not the root: it cannot be replaced in place
@@ -131,8 +138,8 @@ def fp8_training_plan(
         if not name or not _computes_linear(mod):
             continue
         names = tuple(names_of[id(mod)])
-        reason = None
-        if filter_fn is not None:
+        reason = "a lazy layer whose shape is not known yet (run a forward first)" if _is_lazy(mod) else None
+        if reason is None and filter_fn is not None:
             chosen = [bool(filter_fn(mod, n)) for n in names]
             if any(chosen) and not all(chosen):
                 yes, no = names[chosen.index(True)], names[chosen.index(False)]

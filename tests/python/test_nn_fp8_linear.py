@@ -304,6 +304,20 @@ def test_convert_refuses_a_bad_recipe_before_changing_anything():
     assert type(model.up) is torch.nn.Linear
 
 
+def test_convert_names_a_non_module_and_keeps_lazy_layers():
+    with pytest.raises(TypeError, match=r"argument 'model' must be an nn.Module, got int"):
+        lowbit.convert_to_fp8_training(42, progress=False)
+    # A LazyLinear before its first forward has no shape: kept, with the
+    # reason; from_linear refuses it (it made an in_features=0 layer before).
+    model = torch.nn.Sequential(torch.nn.LazyLinear(64), torch.nn.Linear(64, 64))
+    plan = lowbit.fp8_training_plan(model, policy="all")
+    assert plan[0].reason.startswith("a lazy layer") and plan[1].converted
+    lowbit.convert_to_fp8_training(model, policy="all", progress=False)
+    assert type(model[0]) is torch.nn.LazyLinear and isinstance(model[1], Fp8Linear)
+    with pytest.raises(ValueError, match=r"argument 'linear' \(LazyLinear\) has uninitialized parameters"):
+        Fp8Linear.from_linear(torch.nn.LazyLinear(8))
+
+
 # ---- torch.compile ------------------------------------------------------------
 
 

@@ -271,6 +271,9 @@ class Fp8Linear(nn.Linear):
             what = type(linear).__name__
             raise TypeError(f"Fp8Linear.from_linear: argument 'linear' must be an nn.Linear computing x W^T + b, "
                             f"got {what}" + (", which overrides forward" if isinstance(linear, nn.Linear) else ""))
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in linear.parameters(recurse=False)):
+            raise ValueError(f"Fp8Linear.from_linear: argument 'linear' ({type(linear).__name__}) has uninitialized "
+                             f"parameters (a lazy module): run a forward through it first")
         recipe = resolve_recipe(recipe, "Fp8Linear.from_linear")
         # Built on the meta device (no allocation, no initialisation), then
         # given the originals' parameters.
