@@ -509,6 +509,20 @@ at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int6
   return delayed_scales(be, amax_history, row, 1, r, f).reshape({});
 }
 
+void record_amax_op(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
+  constexpr const char* kOp = "fp8_record_amax";
+  const Recipe r = parse_recipe("delayed", "e4m3", "max", 0, false, kOp);
+  check_history(amax_history, amax_history, r, kOp);
+  TORCH_CHECK_VALUE(row >= 0 && row < kHistoryRows, "lowbit.", kOp, ": argument 'row' must be 0 (x), 1 (W) or 2 (dy), got ",
+                    row);
+  check_dtype(amax, kOp, "amax", {at::kFloat});
+  check_same_device(amax, amax_history, kOp, "amax", "amax_history");
+  TORCH_CHECK_VALUE(amax.sym_numel() == 1, "lowbit.", kOp, ": argument 'amax' must hold one value, got shape ",
+                    amax.sym_sizes());
+  if (amax_history.is_meta()) return;
+  record_amax(amax_history, row, amax.reshape({1}));
+}
+
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
                          const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,
                          const at::Tensor& w_t_scale, c10::string_view recipe, c10::string_view amax_compute,
@@ -688,6 +702,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cpu);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cpu);
   m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
+  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_op);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
@@ -697,4 +712,5 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_meta);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_meta);
   m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
+  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_op);
 }

@@ -124,6 +124,8 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
 // fp8_delayed_scale: history row `row`'s delayed scale, [] float32.
 at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int64_t row,
                          c10::string_view amax_compute, int64_t margin, bool pow2, c10::string_view dtype);
+// fp8_record_amax: `amax` recorded in history row `row`, in place.
+void record_amax_op(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax);
 // fp8_linear_cache_weight: W cast into the cache buffers, in place.
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
                          const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,

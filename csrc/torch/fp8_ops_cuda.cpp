@@ -188,6 +188,11 @@ LinearBackwardOut backward_cuda(const at::Tensor& dy, const at::Tensor& x_t, con
                          amax_compute, margin, pow2_scales, weight_dtype, bias_dtype, compute_dx, compute_dw);
 }
 
+void record_amax_cuda(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
+  c10::cuda::CUDAGuard guard(amax_history.device());
+  record_amax_op(amax_history, row, amax);
+}
+
 at::Tensor delayed_scale_cuda(const at::Tensor& amax_history, int64_t row, c10::string_view amax_compute,
                               int64_t margin, bool pow2_scales, c10::string_view dtype) {
   c10::cuda::CUDAGuard guard(amax_history.device());
@@ -204,4 +209,5 @@ TORCH_LIBRARY_IMPL(lowbit, CUDA, m) {
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cuda);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cuda);
   m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cuda);
+  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_cuda);
 }

@@ -178,6 +178,10 @@ TORCH_LIBRARY(lowbit, m) {
   // fp8_delayed_scale: the scale "delayed" gives history row `row` ([],
   // float32) before the op's next cast: the row reduced by amax_compute,
   // then scale_from_amax with the format's fmax, margin and pow2.
+  // fp8_record_amax: history row `row` records `amax` ([] float32) as the
+  // ops do after a cast (the row rolls one column, column 0 gets the amax;
+  // a non-finite amax records the row's previous most recent value): for a
+  // cast made outside the ops (lowbit.fp8_parallel's split backward).
   // fp8_linear_cache_weight: W's cast (data [N, K], scales, the transposed
   // copy [K, N] and its scales) written in place into the cache buffers,
   // contiguous, of the shapes fp8_cast gives; "delayed": W's scale from row
@@ -189,6 +193,7 @@ TORCH_LIBRARY(lowbit, m) {
         "Tensor? x_amax=None, Tensor? w_amax=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_delayed_scale(Tensor amax_history, int row, str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False, str dtype=\"e4m3\") -> Tensor");
+  m.def("fp8_record_amax(Tensor(a!) amax_history, int row, Tensor amax) -> ()");
   m.def("fp8_linear_cache_weight(Tensor weight, Tensor(a!) amax_history, Tensor(b!) w_data, Tensor(c!) w_scale, "
         "Tensor(d!) w_t_data, Tensor(e!) w_t_scale, str recipe, str amax_compute=\"max\", int margin=0, "
         "bool pow2_scales=False) -> ()");

@@ -32,7 +32,13 @@ fp8_cast. Delayed: the scale from the history's x row
 amaxes all-reduced by max and recorded in that row by the forward op
 (``x_amax``), as a cast of the whole x would record it. Either way the codes
 equal those of casting the gathered BF16 x, so the results and the history
-are bitwise the BF16 all-gather's. Rowwise and blockwise gather BF16: their
+are bitwise the BF16 all-gather's. The backward of that layer runs the
+backward op's steps itself (dy's cast, the dx GEMM, dx's reduce-scatter
+started, the dW GEMM, the wait), so the reduce-scatter can run during the
+dW GEMM: eagerly it does; compiled, Inductor's peak-memory reordering
+(``reorder_for_peak_memory``, on by default) moves the wait before that
+GEMM unless it is turned off (``torch.compile(..., options=
+{"reorder_for_peak_memory": False})``). Rowwise and blockwise gather BF16: their
 weight gradient scales x^T along the tokens, across the ranks' shards, so
 x^T cannot be the gathered codes transposed.
 
@@ -213,7 +219,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
     this rank's x [M / tp, K]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state, recipe_args, fast_accum, group, needs_dx, needs_dw):
+    def forward(ctx, x, weight, bias, state, recipe_args, fast_accum, group, group_size, needs_dx, needs_dw):
         ops = torch.ops.lowbit
         name, _, amax_compute, margin, pow2 = recipe_args
         x = x.contiguous()
@@ -244,27 +250,51 @@ class _Fp8GatherLinear(torch.autograd.Function):
             gathered, weight, bias, state, *recipe_args, save_x_t=needs_dw, save_w_t=needs_dx, x_scale=scale,
             out_dtype=x.dtype, fast_accum=fast_accum, x_amax=x_amax)
         ctx.save_for_backward(x_t, x_t_scale, w_t, w_t_scale)
-        ctx.state, ctx.recipe_args, ctx.group = state, recipe_args, group
+        ctx.state, ctx.recipe_args, ctx.group, ctx.group_size = state, recipe_args, group, group_size
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from .fp8 import _linear_backward
+        # The backward op's steps, split so that the reduce-scatter of dx
+        # (the gathered x's gradient, back to shards) runs while the weight
+        # gradient's GEMM does: dy cast once (its scale and history as the op
+        # takes and records them), the dx GEMM, the reduce-scatter started,
+        # the dW GEMM, then the wait. The same kernels on the same operands
+        # as lowbit::fp8_linear_backward, so the same bits.
+        ops, c10d = torch.ops.lowbit, torch.ops._c10d_functional
+        x_t, x_t_scale, w_t, w_t_scale = ctx.saved_tensors
+        name, grad_format, amax_compute, margin, pow2 = ctx.recipe_args
+        needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        scale = ops.fp8_delayed_scale(ctx.state, 2, amax_compute, margin, pow2, grad_format) \
+            if name == "delayed" else None
+        data, s, data_t, s_t, amax = ops.fp8_cast(dy, "tensor", grad_format, needs_dw, scale, pow2)
+        dx = dw = db = None
+        if needs_dx:
+            dx = ops.fp8_gemm(data, s, w_t, w_t_scale, "tensor", "tensor", None, dy.dtype, False)
+            dx = c10d.reduce_scatter_tensor(dx, "sum", ctx.group_size, ctx.group)
+        if needs_dw:
+            dw = ops.fp8_gemm(data_t, s_t, x_t, x_t_scale, "tensor", "tensor", None, ctx.weight_dtype, False)
+        if needs_db:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        if name == "delayed":
+            ops.fp8_record_amax(ctx.state, 2, amax)
+        if dx is not None:
+            dx = c10d.wait_tensor(dx)
+        return (dx, dw, db) + (None,) * 7
 
-        dx, dw, db = _linear_backward(ctx, dy, *ctx.saved_tensors)
-        dx = None if dx is None else _reduce_scatter(dx, ctx.group)  # the gathered x's gradient, back to shards
-        return (dx, dw, db) + (None,) * 6
 
-
-def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str) -> Tensor:
+def fp8_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe, state: Tensor, group: str,
+                      group_size: int) -> Tensor:
     """y = all_gather(x) W^T + b with x all-gathered in FP8 (tensorwise or
-    delayed recipe; module docstring). x [..., K]: this rank's tokens."""
+    delayed recipe; module docstring). x [..., K]: this rank's tokens;
+    ``group_size``: the ranks of ``group``."""
     from .fp8 import _recipe_args
 
     x2 = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled()
-    y = _Fp8GatherLinear.apply(x2, weight, bias, state, _recipe_args(recipe), recipe.fast_accum, group,
+    y = _Fp8GatherLinear.apply(x2, weight, bias, state, _recipe_args(recipe), recipe.fast_accum, group, group_size,
                                grad and x.requires_grad, grad and weight.requires_grad)
     return y.reshape(-1, *x.shape[1:-1], weight.shape[0])

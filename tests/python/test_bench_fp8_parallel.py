@@ -71,6 +71,13 @@ def test_rows_and_bars_from_given_times():
     # which gather BF16, have no bar (no byte saving to show).
     assert rows["lowbit:delayed"]["bar"] == "MISS: x_bf16 < 1.4"  # 10 / 7.5 = 1.33
     assert "bar" not in rows["lowbit:rowwise"] and "bar" not in rows["lowbit:tensorwise, bf16 all-gather"]
+    assert [fp8_parallel.gathers_fp8(n) for n in ("lowbit:delayed, scatter overlap", "lowbit:tensorwise",
+                                                   "lowbit:tensorwise, bf16 all-gather", "lowbit:rowwise", "bf16")] \
+        == [True, True, False, False, False]
+    assert fp8_parallel.compile_options("lowbit:delayed, scatter overlap", "inductor") == \
+        {"reorder_for_peak_memory": False}
+    assert fp8_parallel.compile_options("lowbit:delayed, scatter overlap", "aot_eager") is None
+    assert fp8_parallel.compile_options("lowbit:delayed", "inductor") is None
     fast = {r["provider"]: r for r in fp8_parallel.make_rows(HW, seq, d, h, 2, dict(times, **{"lowbit:delayed": 7e-3}),
                                                               notes)}
     assert fast["lowbit:delayed"]["bar"] == "ok"

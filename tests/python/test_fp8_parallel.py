@@ -215,7 +215,31 @@ def _fp8_gather(rank, world):
                 finally:
                     par._all_gather = original
                 out[recipe, fp8, compiled]["gathers"] = list(gathers)
+    out["backward_order"] = _gather_backward_order()
     return out
+
+
+def _gather_backward_order():
+    """The lowbit ops and collectives of the FP8-gather column layer's
+    compiled backward graph, in order."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    order = []
+
+    def backward_compiler(gm, example_inputs):
+        order.extend(str(n.target) for n in gm.graph.nodes
+                     if n.op == "call_function" and ("lowbit" in str(n.target) or "c10d" in str(n.target)))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    up, _, x, _ = (t.to(DEV) for t in _layers(torch.bfloat16))
+    layer = Fp8Linear.from_linear(up, "tensorwise", parallel="column", process_group=dist.group.WORLD,
+                                  sequence_parallel=True)
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    step = torch.compile(layer, backend=backend, fullgraph=True)
+    step(x.chunk(dist.get_world_size())[dist.get_rank()].clone().requires_grad_()).sum().backward()
+    return order
 
 
 def _reduce_overhead(rank, world, steps=3):
@@ -465,6 +489,13 @@ def test_fp8_all_gather_moves_half_the_bytes_and_matches_bf16_bitwise():
 
 
 def _check_fp8_gather(results):
+    # The backward casts dy once, then the dx GEMM, then starts dx's
+    # reduce-scatter before the dW GEMM and waits for it after: the
+    # scatter runs during that GEMM.
+    for r in results:
+        assert r["backward_order"] == ["lowbit.fp8_cast.default", "lowbit.fp8_gemm.default",
+                                       "_c10d_functional.reduce_scatter_tensor.default", "lowbit.fp8_gemm.default",
+                                       "_c10d_functional.wait_tensor.default"], r["backward_order"]
     for recipe in GATHER_RECIPES:
         for compiled in (False, True):
             for rank in range(WORLD):

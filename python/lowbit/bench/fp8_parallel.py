@@ -23,6 +23,13 @@ included, with an all-gather of <= 55% of BF16's bytes; the ``bar``
 column checks both against each lowbit recipe that gathers x in FP8
 (tensorwise, delayed).
 
+``lowbit:tensorwise, scatter overlap`` and ``lowbit:delayed, scatter
+overlap``: the same blocks compiled with Inductor's
+``reorder_for_peak_memory`` off. Their column layer's backward starts dx's
+reduce-scatter before the weight gradient's GEMM and waits for it after
+(lowbit.fp8_parallel); by default Inductor's peak-memory reordering moves
+the wait before that GEMM, and the two run one after the other.
+
 torchao (0.18, a benchmark-only dependency): the same block converted
 with ``convert_to_float8_training`` (tensorwise) and parallelized over
 DTensor with ``Float8ColwiseParallel(input_layouts=Shard(0))`` and
@@ -78,9 +85,28 @@ class Bf16ParallelLinear(nn.Module):
         return parallel_output(y, None if column else self.bias, self.parallel, group, self.sequence_parallel)
 
 
+OVERLAP = ", scatter overlap"  # the provider compiled with Inductor's peak-memory reordering off
+
+
 def provider_names() -> list[str]:
-    return (["bf16"] + [f"lowbit:{r}" for r in RECIPES] + ["lowbit:tensorwise, bf16 all-gather", "torchao"]
-            + ["all-gather x: bf16", "all-gather x: fp8"])
+    return (["bf16"] + [f"lowbit:{r}" for r in RECIPES] + [f"lowbit:{r}{OVERLAP}" for r in FP8_GATHER_RECIPES]
+            + ["lowbit:tensorwise, bf16 all-gather", "torchao"] + ["all-gather x: bf16", "all-gather x: fp8"])
+
+
+def gathers_fp8(name: str) -> bool:
+    """Whether provider ``name``'s column layer all-gathers x in FP8."""
+    if name == "torchao":
+        return True
+    if not name.startswith("lowbit:") or name.endswith("bf16 all-gather"):
+        return False
+    return name.split(":", 1)[1].split(",")[0] in FP8_GATHER_RECIPES
+
+
+def compile_options(name: str, backend: str) -> dict | None:
+    """Inductor options of provider ``name``: the OVERLAP rows keep the
+    backward's order (dx's reduce-scatter started before the dW GEMM, waited
+    after it), which Inductor's peak-memory reordering undoes by default."""
+    return {"reorder_for_peak_memory": False} if name.endswith(OVERLAP) and backend == "inductor" else None
 
 
 def _block(provider: str, up: nn.Linear, down: nn.Linear, pg) -> nn.Module:
@@ -161,7 +187,7 @@ def build_and_time(rank: int, world: int, device, seq: int, d: int, hidden: int,
         failed = torch.zeros(1, device=device)
         try:
             module = _torchao_block(up, down, pg) if name == "torchao" else _block(name, up, down, pg)
-            block = torch.compile(module, backend=backend, fullgraph=True)
+            block = torch.compile(module, backend=backend, fullgraph=True, options=compile_options(name, backend))
 
             def step(block=block):
                 y = block(x)
@@ -219,9 +245,7 @@ def make_rows(hw: Hardware | None, seq: int, d: int, hidden: int, world: int, ti
             row["x_allgather_MB"] = gathered[name.rsplit(" ", 1)[1]] / 1e6
             rows.append(row)
             continue
-        # The recipes whose column layer all-gathers x in FP8 (not the
-        # "bf16 all-gather" variant, whose name carries more after the recipe).
-        fp8_gather = name == "torchao" or (name.startswith("lowbit:") and name.split(":", 1)[1] in FP8_GATHER_RECIPES)
+        fp8_gather = gathers_fp8(name)
         row["x_allgather_MB"] = gathered["fp8" if fp8_gather else "bf16"] / 1e6
         if bf16 is not None:
             row["x_bf16"] = bf16 / t

@@ -312,7 +312,7 @@ class Fp8Linear(nn.Linear):
             self._group_checked_for = x.device
         group = group_name(self.process_group)
         if self._gathers_fp8(x, is_first_microbatch):
-            return fp8_gather_linear(x, self.weight, self.bias, self.recipe, self.fp8_state, group)
+            return fp8_gather_linear(x, self.weight, self.bias, self.recipe, self.fp8_state, group, self.tp_size)
         x = parallel_input(x, self.parallel, group, self.sequence_parallel)
         column = self.parallel == "column"
         y = self._local(x, self.bias if column else None, is_first_microbatch)
