@@ -294,7 +294,8 @@ def fp8_state_dict(model: nn.Module) -> dict:
 def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
     """Copies ``state`` (as :func:`fp8_state_dict` gives it) into ``model``'s
     FP8 state buffers. ValueError, before anything is copied, when the keys
-    differ from the model's or a shape does not match."""
+    differ from the model's, a shape does not match or a value is not an
+    amax (finite, >= 0: an inf or NaN would give the next steps' scales)."""
     mine = fp8_state_dict(model)
     missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or unexpected:
@@ -304,6 +305,10 @@ def load_fp8_state_dict(model: nn.Module, state: dict) -> None:
         if tuple(state[key].shape) != tuple(buf.shape):
             raise ValueError(f"lowbit.load_fp8_state_dict: {key!r} must have shape {list(buf.shape)} (the layer's "
                              f"amax history), got {list(state[key].shape)}")
+        value = state[key]
+        if not (value.dtype.is_floating_point and bool(torch.isfinite(value).all()) and bool((value >= 0).all())):
+            raise ValueError(f"lowbit.load_fp8_state_dict: {key!r} must hold amaxes (finite floats >= 0), got "
+                             f"{value.dtype} with min {value.float().min().item()} and max {value.float().max().item()}")
     with torch.no_grad():
         for key, buf in mine.items():
             buf.copy_(state[key])
@@ -324,6 +329,9 @@ def fp8_sync_amax(model: nn.Module, process_group=None) -> None:
     state = list(fp8_state_dict(model).values())
     if not state:
         return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("lowbit.fp8_sync_amax: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first); with one process there is nothing to sync")
     with torch.no_grad():
         flat = torch.cat([s.reshape(-1) for s in state])
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)

@@ -610,6 +610,14 @@ def test_fp8_state_dict_holds_the_buffers_and_loading_checks_keys_and_shapes():
         lowbit.load_fp8_state_dict(other, {"0.fp8_state": saved["0.fp8_state"]})
     with pytest.raises(ValueError, match=r"'0.fp8_state' must have shape \[3, 4\] .*, got \[3, 5\]"):
         lowbit.load_fp8_state_dict(other, dict(saved, **{"0.fp8_state": torch.zeros(3, 5)}))
+    for bad in (float("nan"), float("inf"), -1.0):  # not amaxes: they would give the next steps' scales
+        poisoned = saved["0.fp8_state"].clone()
+        poisoned[1, 2] = bad
+        with pytest.raises(ValueError, match=r"'0.fp8_state' must hold amaxes \(finite floats >= 0\)"):
+            lowbit.load_fp8_state_dict(other, dict(saved, **{"0.fp8_state": poisoned}))
+    assert torch.equal(other[0].fp8_state, saved["0.fp8_state"])  # nothing copied
+    with pytest.raises(RuntimeError, match=r"lowbit.fp8_sync_amax: torch.distributed is not initialized"):
+        lowbit.fp8_sync_amax(other)
     tensorwise = nn.Sequential(nn.Linear(32, 32))
     lowbit.convert_to_fp8_training(tensorwise, policy="all", progress=False)
     assert lowbit.fp8_state_dict(tensorwise) == {}  # stateless recipes have nothing to save
