@@ -5,6 +5,8 @@
 // Conventions (docs/ARCHITECTURE.md): functional ops; sizes derive from
 // tensor shapes (SymInt where an explicit size is needed); mutated state is
 // marked Tensor(a!) and never returned.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <string>
@@ -19,6 +21,29 @@ std::string build_info() {
 #else
   return "cuda=0";
 #endif
+}
+
+// Every op of the library (C++ schemas above and below; tests/python/
+// test_build.py checks the list against the registered ops).
+constexpr const char* kOps[] = {
+    "build_info", "route", "dense_router", "hash_router", "topk", "nvfp4_quantize", "nvfp4_dequantize",
+    "nvfp4_prepack", "nvfp4_unprepack", "nvfp4_linear", "_nvfp4_linear_with_plan", "nvfp4_grouped_linear",
+    "nvfp4_unpack", "nvfp4_to_fp8", "_explain_linear_plan", "nvfp4_moe_prepack", "nvfp4_moe_unprepack",
+    "nvfp4_moe", "nvfp4_moe_to_fp8", "_nvfp4_moe_with_plan", "fp8_cast", "fp8_gemm", "fp8_linear_forward",
+    "fp8_delayed_scale", "fp8_record_amax", "fp8_linear_cache_weight", "fp8_linear_backward"};
+
+// The Autocast kernel of every lowbit op: the op runs in the dtypes it is
+// given (its schema says what it returns), and autocast must not reach the
+// ATen ops inside its kernels either (a CPU reference's matmul, the
+// unpack-then-cuBLAS path's linear would otherwise run in autocast's
+// dtype). So autocast is excluded for the call and the op dispatched on.
+void without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  op.callBoxed(stack);
+}
+
+void register_without_autocast(torch::Library& m) {
+  for (const char* name : kOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&without_autocast>());
 }
 
 }  // namespace
@@ -202,3 +227,6 @@ TORCH_LIBRARY(lowbit, m) {
         "bool pow2_scales=False, ScalarType weight_dtype=float, ScalarType? bias_dtype=None, bool compute_dx=True, "
         "bool compute_dw=True) -> (Tensor, Tensor, Tensor)");
 }
+
+TORCH_LIBRARY_IMPL(lowbit, AutocastCPU, m) { register_without_autocast(m); }
+TORCH_LIBRARY_IMPL(lowbit, AutocastCUDA, m) { register_without_autocast(m); }

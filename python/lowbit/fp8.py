@@ -315,6 +315,17 @@ def _fp8_linear_no_grad(x, weight, bias, recipe, state, weight_cache, fp8_output
     return y
 
 
+def autocast_input(x):
+    """``x`` as ``torch.autocast`` hands it to ``F.linear``: in the autocast
+    dtype where autocast is on for x's device, else unchanged (an
+    Fp8Activation, a non-floating tensor: unchanged). As nn.Linear's output,
+    the FP8 Linear's then has that dtype (TransformerEngine's and torchao's
+    FP8 Linears cast their input the same way)."""
+    if isinstance(x, Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 def fp8_linear(
     x: Tensor | Fp8Activation,
     weight: Tensor,
@@ -347,7 +358,11 @@ def fp8_linear(
     next layer) instead of y. ``x`` may be an :class:`Fp8Activation` (the
     output of a layer with ``fp8_output``). Both carry no gradient: they
     need grad disabled or no input requiring grad (RuntimeError otherwise).
-    Not done yet: a gradient through the FP8 hand-over."""
+    Not done yet: a gradient through the FP8 hand-over.
+
+    Under ``torch.autocast`` x is first cast to the autocast dtype (as
+    ``F.linear``'s input is), so y has that dtype."""
+    x = autocast_input(x)
     fp8_in = isinstance(x, Fp8Activation)
     if fp8_in or fp8_output:
         if _needs_grad(None if fp8_in else x, weight, bias):

@@ -318,6 +318,27 @@ def test_convert_names_a_non_module_and_keeps_lazy_layers():
         Fp8Linear.from_linear(torch.nn.LazyLinear(8))
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_autocast_casts_x_as_nn_linear_does(recipe):
+    # Under torch.autocast nn.Linear computes in the autocast dtype; so does
+    # Fp8Linear (x cast first, as TransformerEngine and torchao do): y in
+    # bfloat16, bitwise the layer on x cast by hand, gradients in the
+    # parameters' and x's own dtypes; compiled the same.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128)
+    layers = [Fp8Linear.from_linear(copy.deepcopy(lin), recipe) for _ in range(3)]
+    x = torch.randn(8, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16
+        y = layers[0](x)
+        compiled = torch.compile(layers[2], backend="aot_eager", fullgraph=True)(x)
+    want = layers[1](x.detach().to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want) and torch.equal(compiled, want)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layers[0].weight.grad.dtype == torch.float32
+    assert layers[0](x).dtype == torch.float32  # outside autocast: x's dtype
+
+
 # ---- torch.compile ------------------------------------------------------------
 
 

@@ -300,7 +300,10 @@ class Fp8Linear(nn.Linear):
         """``x`` [..., in_features] or an Fp8Activation. ``is_first_microbatch``
         (default: the attribute): None casts W here; True casts W into the
         cache (once per optimizer step) and uses it; False uses the cache as
-        the last True call left it (the weight must not have changed since)."""
+        the last True call left it (the weight must not have changed since).
+        Under ``torch.autocast`` x is cast to the autocast dtype first, as
+        nn.Linear's input is."""
+        x = _fp8_api().autocast_input(x)
         if self.parallel is None:
             return self._local(x, self.bias, is_first_microbatch)
         if isinstance(x, _fp8_api().Fp8Activation):
