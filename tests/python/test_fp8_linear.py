@@ -191,6 +191,26 @@ def test_opcheck(recipe):
                           test_utils=OPCHECK_UTILS)
 
 
+def test_record_amax_op():
+    # lowbit::fp8_record_amax: what the ops record after a cast (the row
+    # rolls, column 0 gets the amax; a non-finite one repeats the previous),
+    # for casts made outside them; opcheck; bad arguments named.
+    state = torch.rand(3, 4, generator=seeded("record"))
+    want = state.clone()
+    op = torch.ops.lowbit.fp8_record_amax.default
+    op(state, 2, torch.tensor(5.0))
+    want[2] = torch.cat([torch.tensor([5.0]), want[2, :3]])
+    assert torch.equal(state, want)
+    op(state, 0, torch.tensor(float("inf")))
+    want[0] = torch.cat([want[0, :1], want[0, :3]])
+    assert torch.equal(state, want)
+    torch.library.opcheck(op, (state.clone(), 1, torch.tensor(2.5)), test_utils=OPCHECK_UTILS)
+    with pytest.raises(ValueError, match=r"argument 'row' must be 0 \(x\), 1 \(W\) or 2 \(dy\), got 3"):
+        op(state, 3, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"argument 'amax' must hold one value"):
+        op(state, 0, torch.ones(2))
+
+
 class TwoLayers(torch.nn.Module):
     def __init__(self, recipe, k=64, h=96, n=32):
         super().__init__()
