@@ -60,6 +60,7 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
     # worker still running shortly before the deadline prints every
     # thread's Python stack, so the failure report shows where it waits.
     faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=False)
+    faulthandler.enable()  # a fatal signal (SIGABRT, SIGSEGV) prints the worker's Python stacks too
     # NCCL: the communicator made here, bound to this rank's GPU, not lazily
     # inside the first collective (which may be traced or captured).
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
@@ -82,7 +83,9 @@ def _worker(rank, world, init_file, out_dir, cases, extras, device="cpu"):  # no
             results["dcp_fp8"] = _dcp_round_trip(rank, world, f"{out_dir}/checkpoint_fp8", "tensorwise", True)
         if "graphs" in extras:
             results["graphs"] = _reduce_overhead(rank, world)
-        torch.save(_cpu(results), f"{out_dir}/{rank}.pt")
+        # Written whole, then renamed: the file exists only complete.
+        torch.save(_cpu(results), f"{out_dir}/{rank}.pt.part")
+        os.replace(f"{out_dir}/{rank}.pt.part", f"{out_dir}/{rank}.pt")
         saved = True
     finally:
         if "graphs" in extras:
@@ -132,12 +135,21 @@ def spawn(cases, extras=(), device="cpu"):
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.spawn(_worker, args=(WORLD, f"{d}/init", d, cases, extras, device), nprocs=WORLD, join=False)
         deadline = time.monotonic() + SPAWN_DEADLINE_S
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD} workers ({device}) still ran after {SPAWN_DEADLINE_S} s: a collective "
-                            f"that not every rank joined, or a hang; cases {cases}, extras {extras}")
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail(f"the {WORLD} workers ({device}) still ran after {SPAWN_DEADLINE_S} s: a "
+                                f"collective that not every rank joined, or a hang; cases {cases}, extras {extras}")
+        except mp.ProcessExitedException as e:
+            # A worker that died after every rank had saved its results died
+            # in the process group's or the checkpointer's teardown (once on
+            # the CPU: "terminate called without an active exception", gloo
+            # + DCP): reported, not this test's subject. Before that: failed.
+            if not all(os.path.exists(f"{d}/{r}.pt") for r in range(WORLD)):
+                raise
+            warnings.warn(f"a worker ended abnormally after every rank saved its results: {e}")
         results = [torch.load(f"{d}/{r}.pt") for r in range(WORLD)]
         for r, res in enumerate(results):
             marker = f"{d}/{r}.teardown"
