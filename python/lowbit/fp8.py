@@ -315,6 +315,22 @@ def _fp8_linear_no_grad(x, weight, bias, recipe, state, weight_cache, fp8_output
     return y
 
 
+def _tensor_amax(t: Tensor) -> Tensor:
+    """max |t| as float32 [1, 1] (0 for an empty t; NaN propagates): one read
+    of t, no |t| temporary. What a shard contributes to a whole tensor's
+    amax before the ranks all-reduce it (lowbit.fp8_parallel, fp8_fsdp)."""
+    if not t.numel():
+        return torch.zeros(1, 1, dtype=torch.float32, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
+
+
+def _tensor_scale(amax: Tensor, pow2: bool) -> Tensor:
+    """The E4M3 tensor scale of a tensor whose amax is ``amax``, by
+    fp8_cast's own rule (the cast of a one-element tensor holding it)."""
+    return torch.ops.lowbit.fp8_cast(amax.reshape(1, 1), "tensor", "e4m3", False, None, pow2)[1]
+
+
 def autocast_input(x):
     """``x`` as ``torch.autocast`` hands it to ``F.linear``: in the autocast
     dtype where autocast is on for x's device, else unchanged (an

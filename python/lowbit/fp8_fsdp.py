@@ -106,6 +106,7 @@ class Fp8ShardedWeight(torch.Tensor):
         size) under the scale of the whole W; the scale and W's amax as
         metadata. ``module``: the Fp8Linear owning the weight (its recipe
         and, delayed, its history)."""
+        from .fp8 import _tensor_amax, _tensor_scale
         from .nn.fp8_linear import Fp8Linear
 
         if not isinstance(module, Fp8Linear) or module.recipe.name not in FSDP_FP8_RECIPES:
@@ -114,11 +115,7 @@ class Fp8ShardedWeight(torch.Tensor):
                              + (f" of recipe {module.recipe.name!r}" if isinstance(module, Fp8Linear) else ""))
         recipe = module.recipe
         shard = self._tensor
-        if shard.numel():
-            lo, hi = torch.aminmax(shard)
-            amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
-        else:
-            amax = torch.zeros(1, 1, dtype=torch.float32, device=shard.device)
+        amax = _tensor_amax(shard)
         if mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         ops = torch.ops.lowbit
@@ -126,7 +123,7 @@ class Fp8ShardedWeight(torch.Tensor):
             scale = ops.fp8_delayed_scale(module.fp8_state, 1, recipe.amax_compute, recipe.margin, recipe.pow2_scales,
                                           "e4m3")
         else:
-            scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, recipe.pow2_scales)[1]
+            scale = _tensor_scale(amax, recipe.pow2_scales)
         codes = ops.fp8_cast(shard.contiguous(), "tensor", "e4m3", False, scale, recipe.pow2_scales)[0]
         codes = codes.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: ceil(N / world) rows

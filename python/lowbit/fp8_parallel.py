@@ -220,6 +220,8 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, state, recipe_args, fast_accum, group, group_size, needs_dx, needs_dw):
+        from .fp8 import _tensor_amax, _tensor_scale
+
         ops = torch.ops.lowbit
         name, _, amax_compute, margin, pow2 = recipe_args
         x = x.contiguous()
@@ -231,15 +233,9 @@ class _Fp8GatherLinear(torch.autograd.Function):
             codes, _, _, _, local = ops.fp8_cast(x, "tensor", "e4m3", False, scale, pow2)
             x_amax = _waited(_fc().all_reduce(local.reshape(1), "max", group)).reshape(())
         else:
-            # The whole x's amax, then its scale by fp8_cast's own rule (the
-            # cast of a one-element tensor holding it).
-            if x.numel():  # max |x| from the extremes: one read of x, no |x| temporary (NaN propagates)
-                lo, hi = torch.aminmax(x)
-                amax = torch.maximum(lo.abs(), hi.abs()).float().reshape(1, 1)
-            else:
-                amax = x.new_zeros(1, 1, dtype=torch.float32)
-            amax = _waited(_fc().all_reduce(amax, "max", group))
-            scale = ops.fp8_cast(amax, "tensor", "e4m3", False, None, pow2)[1]
+            # The whole x's amax, then its scale by fp8_cast's own rule.
+            amax = _waited(_fc().all_reduce(_tensor_amax(x), "max", group))
+            scale = _tensor_scale(amax, pow2)
             codes = ops.fp8_cast(x, "tensor", "e4m3", False, scale, pow2)[0]
         # Gathered as bytes: collectives move them whatever the backend
         # makes of FP8 dtypes.
