@@ -31,12 +31,15 @@ setup() {
 
 build() {
   setup
-  # The system g++, whose libstdc++ is the one the process loads: a
-  # compiler that links parts of libstdc++ into the library makes one that
+  # The system g++, whose libstdc++ is the one the process loads, for the
+  # .cpp files and as nvcc's host compiler alike: a compiler that puts its
+  # own copies of libstdc++'s stream code into the library makes one that
   # crashes in its string formatting (docs/ARCHITECTURE.md, "Toolchain").
-  # LOWBIT_CXX picks another; CXX is read at the first configure only.
+  # An inherited CUDAHOSTCXX is not followed (one image sets it to such a
+  # compiler); LOWBIT_CXX picks another for both. Both are read at the
+  # first configure only.
   export CXX=${LOWBIT_CXX:-$(command -v g++ || echo c++)}
-  export CUDAHOSTCXX=${CUDAHOSTCXX:-$CXX}
+  export CUDAHOSTCXX=$CXX
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
   if [[ ! -f $BUILD_DIR/CMakeCache.txt ]] || ! grep -qE "^Python3_EXECUTABLE:[A-Z]+=$PYTHON\$" "$BUILD_DIR/CMakeCache.txt"; then

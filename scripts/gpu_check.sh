@@ -78,6 +78,14 @@ write_record() {
     echo "| phase | result | seconds |"
     echo "| --- | --- | --- |"
     printf '%s\n' "${summary[@]}"
+    if [[ -n ${toolchain:-} ]]; then
+      echo
+      echo "## Toolchain (scripts/toolchain_report.sh)"
+      echo
+      echo '```'
+      echo "$toolchain"
+      echo '```'
+    fi
     if [[ -s $OUT/concurrency.md ]]; then
       echo
       echo "## Concurrency test"
@@ -114,6 +122,8 @@ if ! bash run.sh build >"$OUT/build.log" 2>&1; then
   finish
 fi
 row build ok $(( $(date +%s) - start ))
+toolchain=$(bash scripts/toolchain_report.sh "$BUILD_DIR" 2>&1)
+row "error path (toolchain)" "$(grep -m1 '^error message' <<<"$toolchain" | cut -c16-80)" 0
 LIB=$BUILD_DIR/liblowbit_ops.so
 [[ $LIB == /* ]] || LIB=$ROOT/$LIB
 

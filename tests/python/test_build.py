@@ -65,3 +65,18 @@ def test_ops_library_path_is_the_loaded_library():
     assert path.endswith("liblowbit_ops.so")
     with open("/proc/self/maps") as maps:  # mapped into this process, not just present on disk
         assert any(line.rstrip().endswith(path) for line in maps), path
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
+def test_op_library_imports_libstdcxx_stream_code():
+    # The library must call the loaded libstdc++'s stream code, not copies of
+    # its own: a host compiler that instantiated them into the library
+    # (nvcc's, from an inherited CUDAHOSTCXX) made every error message that
+    # formats an integer crash (docs/ARCHITECTURE.md, "Toolchain").
+    path = lowbit._library.library_path()
+    symbols = subprocess.run(["nm", "-C", str(path)], check=True, capture_output=True, text=True).stdout
+    imported = re.findall(r"^\s+U std::ostream& std::ostream::_M_insert<long>\(long\)", symbols, re.M)
+    defined = re.findall(r"^[0-9a-f]+ [TWtw] (?:.* )?std::(?:basic_ostream<[^ ]*>|ostream|num_put<[^ ]*>)::.*$",
+                         symbols, re.M)
+    assert not defined, defined[:5]
+    assert imported, "the library formats integers through libstdc++'s ostream (the parse found the import)"
