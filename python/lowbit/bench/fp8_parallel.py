@@ -177,32 +177,36 @@ def build_and_time(rank: int, world: int, device, seq: int, d: int, hidden: int,
     pg = dist.group.WORLD
     up, down, x, dy = block_tensors(device, seq, d, hidden)
     steps, notes = {}, {}
-    for name in provider_names():
-        if name.startswith("all-gather"):
-            from lowbit.fp8_parallel import _all_gather, group_name
+    # Every provider's block is nn.Sequential.forward, one code object
+    # compiled once per provider: past Dynamo's default limit of 8 the last
+    # providers (torchao's) would fail under fullgraph=True.
+    with torch._dynamo.config.patch(recompile_limit=max(64, 2 * len(provider_names()))):
+        for name in provider_names():
+            if name.startswith("all-gather"):
+                from lowbit.fp8_parallel import _all_gather, group_name
 
-            src = x.detach() if name.endswith("bf16") else x.detach().to(torch.float8_e4m3fn).view(torch.uint8)
-            steps[name] = lambda src=src: _all_gather(src, group_name(pg))
-            continue
-        failed = torch.zeros(1, device=device)
-        try:
-            module = _torchao_block(up, down, pg) if name == "torchao" else _block(name, up, down, pg)
-            block = torch.compile(module, backend=backend, fullgraph=True, options=compile_options(name, backend))
+                src = x.detach() if name.endswith("bf16") else x.detach().to(torch.float8_e4m3fn).view(torch.uint8)
+                steps[name] = lambda src=src: _all_gather(src, group_name(pg))
+                continue
+            failed = torch.zeros(1, device=device)
+            try:
+                module = _torchao_block(up, down, pg) if name == "torchao" else _block(name, up, down, pg)
+                block = torch.compile(module, backend=backend, fullgraph=True, options=compile_options(name, backend))
 
-            def step(block=block):
-                y = block(x)
-                torch.autograd.grad(y, [x, *block.parameters()], dy)
+                def step(block=block):
+                    y = block(x)
+                    torch.autograd.grad(y, [x, *block.parameters()], dy)
 
-            for _ in range(2):
-                step()
-        except Exception as e:  # reported in the row; the other ranks learn of it below
-            notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-            failed += 1
-        dist.all_reduce(failed)
-        if failed.item():
-            notes.setdefault(name, "failed on another rank")
-            continue
-        steps[name] = step
+                for _ in range(2):
+                    step()
+            except Exception as e:  # reported in the row; the other ranks learn of it below
+                notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+                failed += 1
+            dist.all_reduce(failed)
+            if failed.item():
+                notes.setdefault(name, "failed on another rank")
+                continue
+            steps[name] = step
     runs = {}
     for name, step in steps.items():
         if use_graph:
