@@ -16,6 +16,7 @@
 #                                                   racecheck and initcheck: one process per op family)
 #   SANITIZE_FAMILIES="fp8 quant"                   sanitize: only these op families (one process each)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
+#   LOWBIT_TEST_WORLD=4 ...                         processes (GPUs) of test_fp8_parallel.py's multi-GPU tests (default 2)
 # With 8 workers the build and the whole suite take about 6 minutes on an
 # H100 machine (16 cores); tests.log ends with the slowest tests. The concurrency
 # test (tests/python/test_concurrency.py) runs in the suite; its table goes
@@ -71,6 +72,7 @@ write_record() {
     echo "| torch | ${torchv:-?} |"
     echo "| command | \`MODE=$MODE WORKERS=$WORKERS TESTS=\"$TESTS\" SUITES=\"$SUITES\"${SANITIZE_FAMILIES:+ SANITIZE_FAMILIES=\"$SANITIZE_FAMILIES\"} bash scripts/gpu_check.sh\` |"
     [[ -n ${test_cmd:-} ]] && echo "| test command | \`$test_cmd\` |"
+    [[ -n ${LOWBIT_TEST_WORLD:-} ]] && echo "| processes of the multi-GPU tests | LOWBIT_TEST_WORLD=$LOWBIT_TEST_WORLD |"
     [[ -n ${test_counts:-} ]] && echo "| tests | $test_counts |"
     [[ -n ${concurrency:-} ]] && echo "| concurrency test | $concurrency |"
     echo "| wall time | $(( $(date +%s) - run_start )) s |"

@@ -33,7 +33,9 @@ from lowbit.nn import Fp8Linear
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
 
-WORLD = 2
+# Processes (one GPU each under NCCL): 2, or LOWBIT_TEST_WORLD (4 on a
+# four-GPU machine; the layer sizes below divide by 2 and 4).
+WORLD = int(os.environ.get("LOWBIT_TEST_WORLD", "2"))
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
 M, K, H = 256, 256, 512  # tokens, model width, hidden width (shards: multiples of 128)
 DEV = torch.device("cpu")  # this process's device (a worker on a GPU sets its own)
@@ -465,8 +467,8 @@ def test_column_then_row_match_one_process_eager():
     results = spawn(cases)
     for case in cases:
         _check(results, case)
-    assert "parallel=column, tp=2" in results[0][cases[0]]["repr"]
-    assert "out_features=256" in results[0][cases[0]]["repr"]  # this rank's shard of 512
+    assert f"parallel=column, tp={WORLD}" in results[0][cases[0]]["repr"]
+    assert f"out_features={H // WORLD}" in results[0][cases[0]]["repr"]  # this rank's shard of H
 
 
 @pytest.mark.slow
@@ -483,8 +485,8 @@ def test_argument_errors_name_the_argument():
 
 
 def _check_argument_errors(errors):
-    assert "argument 'out_features' (513) must be divisible by the process group's size (2)" in errors[0]
-    assert "argument 'in_features' (257) must be divisible by the process group's size (2)" in errors[1]
+    assert f"argument 'out_features' (513) must be divisible by the process group's size ({WORLD})" in errors[0]
+    assert f"argument 'in_features' (257) must be divisible by the process group's size ({WORLD})" in errors[1]
     assert "argument 'parallel' must be None, 'column' or 'row', got 'diagonal'" in errors[2]
     assert "argument 'process_group' must be a torch.distributed.ProcessGroup" in errors[3]
     assert "needs parallel='column' or 'row'" in errors[4]
