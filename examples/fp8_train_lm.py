@@ -196,18 +196,43 @@ def plot(out_dir: Path, results: dict, title: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         return _plot_svg(out_dir / "loss_curves.svg", curves, title)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    # Left: the whole run (log scale, so a divergence or a slow start shows);
+    # right: the validation loss, the quantity of the bar, over the second
+    # half, where the runs' differences are visible.
+    fig, (whole, val) = plt.subplots(1, 2, figsize=(12, 4.8))
     for run, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=run, linewidth=1.2)
-    ax.set(xlabel="step", ylabel="training loss (20-step mean, nats/byte)", title=title)
-    lows = [min(ys) for ys in curves.values()]
-    ax.set_ylim(min(lows) * 0.95, min(lows) * 1.6)  # the interesting part, not the first steps
-    ax.grid(alpha=0.3)
-    ax.legend()
+        whole.plot(range(1, len(ys) + 1), ys, label=run, linewidth=1.0)
+    whole.set(xlabel="step", ylabel="training loss (20-step mean, nats/byte)", yscale="log", title="training loss")
+    late = {run: {s: v for s, v in r["val"].items() if 2 * s >= len(r["train"])} for run, r in results.items()}
+    for run, points in late.items():
+        if points:
+            val.plot(list(points), list(points.values()), marker="o", markersize=3, label=run, linewidth=1.0)
+    val.set(xlabel="step", ylabel="validation loss (nats/byte)", title="validation loss, second half")
+    for ax in (whole, val):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle(title)
     path = out_dir / "loss_curves.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def read_csv(path: Path) -> dict:
+    """The results a run wrote with write_csv (for --replot)."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    runs = [c[: -len("_train")] for c in rows[0][1::2]]
+    results = {run: {"train": [], "val": {}, "diverged": False} for run in runs}
+    for row in rows[1:]:
+        step = int(row[0])
+        for i, run in enumerate(runs):
+            train, val = row[1 + 2 * i], row[2 + 2 * i]
+            if train:
+                results[run]["train"].append(float(train))
+            if val:
+                results[run]["val"][step] = float(val)
+    return results
 
 
 def _plot_svg(path: Path, curves: dict, title: str) -> Path:
@@ -273,6 +298,8 @@ def parse_args(argv):
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="fp8_train_lm_out")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: draw OUT/loss_curves.png again from OUT/losses.csv")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
     for r in args.runs:
@@ -285,6 +312,11 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:
+        results = read_csv(Path(args.out) / "losses.csv")
+        steps = max(len(r["train"]) for r in results.values())
+        print(f"# wrote {plot(Path(args.out), results, f'byte-level LM on the Python stdlib, {steps} steps')}")
+        return results
     cfg = SIZES["tiny" if args.tiny else "full"]
     device = torch.device(args.device)
     train_cpu, val_cpu, about = load_corpus(cfg["max_files"])

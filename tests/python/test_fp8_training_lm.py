@@ -49,6 +49,15 @@ def test_bf16_run_trains_and_writes_its_outputs(example, tmp_path):
     assert len(rows) == 6 and rows[0].keys() == {"step", "bf16_train", "bf16_val"} and rows[2]["bf16_val"]
     assert (tmp_path / "loss_curves.png").exists() or (tmp_path / "loss_curves.svg").exists()
     assert "bf16" in (tmp_path / "summary.txt").read_text()
+    # --replot draws the figure again from the CSV, which reads back as
+    # the results it was written from (to its six decimals).
+    for figure in tmp_path.glob("loss_curves.*"):
+        figure.unlink()
+    again = example.main(["--replot", "--out", str(tmp_path)])["bf16"]
+    assert again["train"] == pytest.approx(results["bf16"]["train"], abs=1e-6)
+    assert again["val"].keys() == results["bf16"]["val"].keys()
+    assert list(again["val"].values()) == pytest.approx(list(results["bf16"]["val"].values()), abs=1e-6)
+    assert (tmp_path / "loss_curves.png").exists() or (tmp_path / "loss_curves.svg").exists()
 
 
 @pytest.mark.slow  # 8-40 s each on two busy CPU cores
