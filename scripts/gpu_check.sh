@@ -125,7 +125,9 @@ if ! bash run.sh build >"$OUT/build.log" 2>&1; then
 fi
 row build ok $(( $(date +%s) - start ))
 toolchain=$(bash scripts/toolchain_report.sh "$BUILD_DIR" 2>&1)
-row "error path (toolchain)" "$(grep -m1 '^error message' <<<"$toolchain" | cut -c16-80)" 0
+error_path=$(grep -m1 '^error message' <<<"$toolchain" | cut -c16-80)
+[[ $error_path == ok:* ]] || failed=1   # an error message that kills the process fails the run
+row "error path (toolchain)" "$error_path" 0
 LIB=$BUILD_DIR/liblowbit_ops.so
 [[ $LIB == /* ]] || LIB=$ROOT/$LIB
 
