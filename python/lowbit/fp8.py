@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._autocast import autocast_input
+
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _HISTORY_ROWS = 3  # x, W, dy
@@ -329,17 +331,6 @@ def _tensor_scale(amax: Tensor, pow2: bool) -> Tensor:
     """The E4M3 tensor scale of a tensor whose amax is ``amax``, by
     fp8_cast's own rule (the cast of a one-element tensor holding it)."""
     return torch.ops.lowbit.fp8_cast(amax.reshape(1, 1), "tensor", "e4m3", False, None, pow2)[1]
-
-
-def autocast_input(x):
-    """``x`` as ``torch.autocast`` hands it to ``F.linear``: in the autocast
-    dtype where autocast is on for x's device, else unchanged (an
-    Fp8Activation, a non-floating tensor: unchanged). As nn.Linear's output,
-    the FP8 Linear's then has that dtype (TransformerEngine's and torchao's
-    FP8 Linears cast their input the same way)."""
-    if isinstance(x, Tensor) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
 
 
 def fp8_linear(

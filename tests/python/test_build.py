@@ -38,9 +38,13 @@ def test_autocast_does_not_reach_inside_the_ops():
     b = lowbit.fp8_cast(torch.randn(32, 256, generator=gen), "tensor")
     w = lowbit.nn.Nvfp4Linear.from_linear(torch.nn.Linear(256, 64))
     x = torch.randn(3, 256, generator=gen)
-    plain = (lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.float32), w(x))
+
+    def linear(x):  # the op itself (the module casts x first, as nn.Linear)
+        return lowbit.nvfp4_linear(x, w.weight, w.weight_scale, w.weight_global, w.bias.to(x.dtype))
+
+    plain = (lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.float32), linear(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = (lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.float32), w(x))
+        under = (lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.float32), linear(x))
     for p, u in zip(plain, under):
         assert u.dtype == torch.float32 and torch.equal(p, u)
 

@@ -91,3 +91,15 @@ def test_grouped_module_exports_one_graph_for_every_token_count():
     for tokens in (1, 3, limit, limit + 1, 3 * limit):
         x = torch.randn(tokens, 2, 64, generator=gen).to(torch.bfloat16)
         assert torch.equal(exported.module()(x), mod(x)), tokens
+
+
+def test_grouped_module_follows_autocast():
+    gen = torch.Generator().manual_seed(37)
+    w = torch.randn(2 * 64, 128, generator=gen).to(torch.bfloat16)
+    q = lowbit.nvfp4_quantize(w)
+    mod = lowbit.nn.Nvfp4GroupedLinear.from_checkpoint(2, q.packed, q.block_scale, q.global_scale)
+    x = torch.randn(3, 2, 128, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mod(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, mod(x.to(torch.bfloat16)))
+    assert mod(x).dtype == torch.float32

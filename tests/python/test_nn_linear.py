@@ -215,3 +215,18 @@ def test_cuda_module_and_empty_and_cosine():
     # CPU prepack, moved to the GPU, gives the CPU reference's answer
     x = torch.randn(3, 1024, generator=gen).to(torch.bfloat16)
     assert rel_err(q(x.cuda()).cpu(), q.to("cpu")(x).float()) <= REL_TOL
+
+
+def test_module_follows_autocast_as_nn_linear_does():
+    # Under torch.autocast nn.Linear computes in the autocast dtype; so does
+    # Nvfp4Linear (an FP32 x would otherwise take the reference path on a
+    # GPU). Outside autocast it keeps x's dtype.
+    gen = torch.Generator().manual_seed(31)
+    lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
+    q = Nvfp4Linear.from_linear(lin)
+    x = torch.randn(5, 128, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = q(x)
+        assert lin(x).dtype == got.dtype == torch.bfloat16
+    assert torch.equal(got, q(x.to(torch.bfloat16)))
+    assert q(x).dtype == torch.float32

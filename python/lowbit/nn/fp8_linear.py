@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._autocast import autocast_input
 from ..fp8_fsdp import Fp8GatheredWeight, Fp8ShardedWeight
 from ..fp8_parallel import (FP8_GATHER_RECIPES, check_group_device, check_parallel, fp8_gather_linear, group_name,
                             parallel_input, parallel_output, shard_of)
@@ -303,7 +304,7 @@ class Fp8Linear(nn.Linear):
         the last True call left it (the weight must not have changed since).
         Under ``torch.autocast`` x is cast to the autocast dtype first, as
         nn.Linear's input is."""
-        x = _fp8_api().autocast_input(x)
+        x = autocast_input(x)
         if self.parallel is None:
             return self._local(x, self.bias, is_first_microbatch)
         if isinstance(x, _fp8_api().Fp8Activation):

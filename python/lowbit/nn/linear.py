@@ -38,6 +38,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from .._autocast import autocast_input
 from ..linear import nvfp4_grouped_linear, nvfp4_linear, nvfp4_prepack, nvfp4_to_fp8, nvfp4_unprepack
 from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
@@ -321,6 +322,10 @@ class Nvfp4Linear(KeepsDtypes):
     # ---- forward ----------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype; under
+        ``torch.autocast`` x is first cast to the autocast dtype, as
+        nn.Linear's input is (so an FP32 x runs the BF16 kernels there)."""
+        x = autocast_input(x)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"Nvfp4Linear: argument 'x' must have {self.in_features} features (its last dimension), "
                              f"got shape {list(x.shape)}")
@@ -439,6 +444,9 @@ class Nvfp4GroupedLinear(KeepsDtypes):
         return self.linear.to_modelopt()
 
     def forward(self, x: Tensor) -> Tensor:
+        """x [..., G, K] -> [..., G, N]; under ``torch.autocast`` x is
+        first cast to the autocast dtype (as Nvfp4Linear's)."""
+        x = autocast_input(x)
         g, k, n = self.n_groups, self.in_features, self.out_features
         if x.dim() < 2 or x.shape[-2] != g or x.shape[-1] != k:
             raise ValueError(f"Nvfp4GroupedLinear: argument 'x' must have shape [..., {g}, {k}], got {list(x.shape)}")

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._autocast import autocast_input
 from ..moe import nvfp4_moe, nvfp4_moe_prepack, nvfp4_moe_to_fp8, nvfp4_moe_unprepack
 from ..format import nvfp4_quantize
 from ._format_dtypes import KeepsDtypes
@@ -797,7 +798,10 @@ class Nvfp4MoE(KeepsDtypes):
         dense mode).
 
         Routing sees hidden_states in the gate weight's dtype (fp16 input is
-        cast to bf16 for the gate GEMM)."""
+        cast to bf16 for the gate GEMM). Under ``torch.autocast``
+        hidden_states is first cast to the autocast dtype, as the
+        ``nn.Linear`` experts it replaces would see it."""
+        hidden_states = autocast_input(hidden_states)
         if input_ids is not None:
             if token_ids is not None:
                 raise ValueError("Nvfp4MoE: give the token ids as 'token_ids' or 'input_ids', not both")
