@@ -217,15 +217,16 @@ def test_cuda_module_and_empty_and_cosine():
     assert rel_err(q(x.cuda()).cpu(), q.to("cpu")(x).float()) <= REL_TOL
 
 
-def test_module_follows_autocast_as_nn_linear_does():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_module_follows_autocast_as_nn_linear_does(device):
     # Under torch.autocast nn.Linear computes in the autocast dtype; so does
     # Nvfp4Linear (an FP32 x would otherwise take the reference path on a
     # GPU). Outside autocast it keeps x's dtype.
     gen = torch.Generator().manual_seed(31)
-    lin = torch.nn.Linear(128, 64).to(torch.bfloat16)
+    lin = torch.nn.Linear(128, 64).to(device, torch.bfloat16)
     q = Nvfp4Linear.from_linear(lin)
-    x = torch.randn(5, 128, generator=gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x = torch.randn(5, 128, generator=gen).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         got = q(x)
         assert lin(x).dtype == got.dtype == torch.bfloat16
     assert torch.equal(got, q(x.to(torch.bfloat16)))

@@ -362,15 +362,18 @@ def test_batch_dims_empty_and_fp32():
     assert rel_err(mod(x), reference(mod, dequantized(w), x, weights, ids)) <= 1e-5
 
 
-def test_follows_autocast():
-    # The experts it replaces would see hidden_states in the autocast dtype.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_follows_autocast(device):
+    # The experts it replaces would see hidden_states in the autocast dtype
+    # (on a GPU the op takes bf16 / fp16 only: FP32 under autocast runs).
     gen = torch.Generator().manual_seed(113)
-    mod = make(bf16_weights(8, 128, 64, gen, 64), 2, **V4)
-    x = torch.randn(2, 3, 128, generator=gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    mod = make(bf16_weights(8, 128, 64, gen, 64), 2, **V4).to(device)
+    x = torch.randn(2, 3, 128, generator=gen).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         got = mod(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, mod(x.to(torch.bfloat16)))
-    assert mod(x).dtype == torch.float32
+    if device == "cpu":
+        assert mod(x).dtype == torch.float32
 
 
 def test_bad_arguments_raise_clear_errors():
