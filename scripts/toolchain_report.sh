@@ -28,8 +28,8 @@ own=$(nm -C --defined-only "$LIB" 2>/dev/null | grep -E '^[0-9a-f]+ [TWtw] (.* )
 echo "stream code defined in the library: ${own:-none}"
 echo "libstdc++ loaded by python with torch and the library: $(
   LOWBIT_OPS_LIBRARY=$PWD/$LIB "$PYTHON" -c '
-import torch
-torch.ops.load_library(__import__("os").environ["LOWBIT_OPS_LIBRARY"])
+import os, torch
+torch.ops.load_library(os.environ["LOWBIT_OPS_LIBRARY"])
 print(" ".join(sorted({l.split()[-1] for l in open("/proc/self/maps") if "libstdc++" in l})))' 2>&1 | tail -1)"
 # An error message with integers in it: an exception, not a signal.
 LOWBIT_OPS_LIBRARY=$PWD/$LIB PYTHONPATH=python "$PYTHON" -c '

@@ -495,10 +495,10 @@ int64_t linear_wgmma_splits(int64_t m, int64_t n, int64_t k) {
 }
 
 // ---- the plan in words -------------------------------------------------------
-// Built with std::string and std::to_string, not an ostringstream: this file
-// is host code compiled through nvcc, and on one GPU machine (2 H200s) its
-// own instantiation of ostream's integer insertion crashed
-// (docs/ARCHITECTURE.md, "Toolchain").
+// Built with std::string and std::to_string: plain strings, no stream state.
+// (With a host compiler that instantiated ostream's code into the library,
+// the stream version crashed; the build now rules such a compiler out:
+// docs/ARCHITECTURE.md, "Toolchain".)
 namespace {
 
 std::string num(int64_t n) { return std::to_string(n); }

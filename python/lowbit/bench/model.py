@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -340,7 +341,6 @@ def run(hw: Hardware, quick: bool, out_dir: str = "."):
     return rows, COLUMNS
 
 
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m lowbit.bench.model --plot RESULTS.json [OUT.png]``: the
     decode plot from a saved run (``python -m lowbit.bench model --json``),
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--plot: {args.plot} is not a bench model result (expected suite 'model' and its rows)")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.plot)), "bench_model_decode.png")
     if plot(payload["rows"], out) is None:
-        print("lowbit.bench.model: the plot needs matplotlib (pip install matplotlib)", file=__import__("sys").stderr)
+        print("lowbit.bench.model: the plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     print(out)
     return 0
