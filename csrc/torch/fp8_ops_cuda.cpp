@@ -1,13 +1,14 @@
 // CUDA kernels of the FP8 training ops: the cast (csrc/lowbit/fp8/fp8_cast.cu),
-// the GEMM through at::_scaled_mm (cuBLASLt) where it takes the shape, and
-// the Linear's forward / backward (fp8_ops.cpp) over these.
+// the GEMM (at::_scaled_mm (cuBLASLt) where it takes the shape, else
+// lowbit's block-scaled kernel or the reference), and the Linear's forward /
+// backward (fp8_ops.cpp) over these.
 //
 // fp8_gemm on CUDA:
 //   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
 //     multiples of 16 (cuBLASLt FP8: row-major a times column-major b, i.e.
 //     our b [N, K] row-major, passed as b.t()).
-//   block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128 by
-//     1 x 128): at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
+//   other block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128
+//     by 1 x 128) operands: at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
 //     12.9, compute capability 9.0 only), with its scale layouts: a's scales
 //     [M, K/128] column-major; b's 128 x 128 scales passed as [K/128, N/128]
 //     (our [N/128, K/128] transposed); b's 1 x 128 scales as [K/128, N]
@@ -20,9 +21,13 @@
 //     unpadded stride K/128 and passes the pointer on: for K = 256, N = 512
 //     cuBLASLt reads N-block 1's scales from block 2's and blocks 2 and 3's
 //     from past the tensor's end (memory whose contents differ between eager
-//     and a CUDA graph's pool). Those shapes take the fallback.
-//   anything else (other shapes, float16 / float32 output with block
-//     scales, e5m2 x e5m2): the reference formula on the device, both
+//     and a CUDA graph's pool). Those shapes take the next path.
+//   block scales cuBLASLt does not take, with a bfloat16 or float32 output,
+//     K a multiple of 128 and N of 16 (fp8::block_gemm_takes): lowbit's
+//     block-scaled wgmma GEMM (csrc/lowbit/fp8/sm90_fp8_block_gemm.cu),
+//     0.65-0.8x cuBLASLt's speed where both run, so second to it.
+//   anything else (other shapes, float16 output with block scales, e5m2 x
+//     e5m2): the reference formula on the device, both
 //     operands dequantized to FP32 and an FP32 matmul. Correct but slow: a
 //     fallback, marked as such in docs/fp8.md.
 // The bias goes into cuBLASLt's epilogue when it has the output's dtype
@@ -36,6 +41,7 @@
 #include "checks.h"
 #include "cuda_checks.h"
 #include "fp8_ops.h"
+#include "lowbit/fp8/fp8_block_gemm.h"
 
 namespace lowbit::ops::fp8ops {
 namespace {
@@ -88,12 +94,57 @@ bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, Scali
   return sb != Scaling::kBlock2d || (k / fp8::kBlockSize) % 4 == 0 || n <= fp8::kBlockSize;
 }
 
+// lowbit's block-scaled GEMM (csrc/lowbit/fp8/sm90_fp8_block_gemm.cu), or
+// nothing where it does not take the operands.
+c10::optional<at::Tensor> own_block_gemm(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b,
+                                         const at::Tensor& scale_b, Scaling sb,
+                                         const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  const bool bf16_out = out_dtype == at::kBFloat16;
+  if (!bf16_out && out_dtype != at::kFloat) return c10::nullopt;
+  const at::Tensor sa_c = scale_a.contiguous();
+  // 1 x 128 B scales go in transposed, [K/128, N]: a K-block's scales of a
+  // tile's columns are then one 512-byte copy.
+  const at::Tensor sb_c = sb == Scaling::kBlock ? scale_b.t().contiguous() : scale_b.contiguous();
+  // The bias in FP32, whatever its dtype: added to the FP32 sum before the
+  // output's one rounding.
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({m, n}, a.options().dtype(out_dtype));
+  const auto format = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat8_e5m2 ? Format::kE5M2 : Format::kE4M3;
+  };
+  const fp8::BlockGemmArgs args{a.data_ptr(),
+                                format(a),
+                                b.data_ptr(),
+                                format(b),
+                                m,
+                                n,
+                                k,
+                                sa_c.data_ptr<float>(),
+                                sb_c.data_ptr<float>(),
+                                sb,
+                                bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                                bf16_out ? DType::kBFloat16 : DType::kFloat32,
+                                y.data_ptr()};
+  if (!fp8::block_gemm_takes(args)) return c10::nullopt;
+  C10_CUDA_CHECK(fp8::block_gemm_cuda(args, c10::cuda::getCurrentCUDAStream()));
+  return y;
+}
+
 at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, const at::Tensor& b_in,
                           const at::Tensor& scale_b, Scaling sa, Scaling sb, const c10::optional<at::Tensor>& bias,
                           at::ScalarType out_dtype, bool fast_accum) {
   c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
-  if (!scaled_mm_takes(a, b, sa, sb, out_dtype)) return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+  if (!scaled_mm_takes(a, b, sa, sb, out_dtype)) {
+    // Block scales cuBLASLt does not take (float32 outputs, M % 4 != 0, the
+    // misread 128 x 128 scale layouts): lowbit's kernel, slower than
+    // cuBLASLt's where both run (docs/perf/log/fp8_train.md, "Block GEMM").
+    if (sa == Scaling::kBlock && a.numel() > 0 && b.numel() > 0) {
+      if (c10::optional<at::Tensor> y = own_block_gemm(a, scale_a, b, scale_b, sb, bias, out_dtype)) return *y;
+    }
+    return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+  }
   const int64_t m = a.size(0), n = b.size(0);
   at::Tensor sa_mm, sb_mm;
   switch (sa) {

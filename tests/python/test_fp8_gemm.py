@@ -136,3 +136,53 @@ def test_cuda_matches_float64(pair, out_dtype, mnk):
     check(a, sa, b, sb, pair, device="cuda", out_dtype=out_dtype)
     check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype)
     check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype, fast_accum=True)
+
+
+BLOCK_PAIRS = [("block", "block2d"), ("block", "block")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pair", BLOCK_PAIRS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+# lowbit's block-scaled kernel (fp8_block_gemm.h): a float32 output, and a
+# bfloat16 one with M % 4 != 0, are shapes cuBLASLt's block scaling does not
+# take. Edge tiles in M and N (301 x 272: an odd number of row tiles, so one
+# CTA of a cluster has no rows), more K-blocks than pipeline stages (K =
+# 2048: the stages' phases wrap), more tile pairs than clusters (2101 x
+# 2112: 99 pairs, a cluster takes several), one row, one K-block.
+@pytest.mark.parametrize("mnk", [(301, 272, 640), (521, 1040, 2048), (2101, 2112, 256), (1, 16, 128), (129, 144, 128)])
+def test_cuda_block_kernel_matches_float64(pair, out_dtype, mnk):
+    a, sa, b, sb = operands(*mnk, pair, key=("cuda-block",))
+    bias = torch.randn(mnk[1], generator=seeded("cuda-block-bias", mnk)).to(out_dtype)
+    check(a, sa, b, sb, pair, device="cuda", out_dtype=out_dtype)
+    check(a, sa, b, sb, pair, bias=bias, device="cuda", out_dtype=out_dtype)
+    # a bias of another dtype joins the FP32 sum before the output's one rounding
+    check(a, sa, b, sb, pair, bias=bias.to(torch.float16), device="cuda", out_dtype=out_dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pair", BLOCK_PAIRS)
+@pytest.mark.parametrize("formats", [("e5m2", "e4m3"), ("e4m3", "e5m2")])
+def test_cuda_block_kernel_e5m2_operand(pair, formats):
+    a, sa, b, sb = operands(201, 160, 384, pair, *formats, key=("cuda-e5m2",))
+    check(a, sa, b, sb, pair, device="cuda")
+    check(a, sa, b, sb, pair, device="cuda", out_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pair", BLOCK_PAIRS)
+def test_cuda_block_kernel_on_views_and_nan(pair):
+    """Operands that are row slices of larger tensors (offset, still
+    contiguous) give the same bits as copies; a NaN scale of one row block
+    of A makes exactly that row NaN, nothing else (float32 outputs: lowbit's
+    kernel)."""
+    a, sa, b, sb = (t.cuda() for t in operands(256, 256, 512, pair, key=("cuda-views",)))
+    b_rows = 16 if pair[1] == "block" else 128  # a whole 128-row scale block for block2d
+    views = (a[128:], sa[128:], b[b_rows:], sb[b_rows:] if pair[1] == "block" else sb[1:])
+    assert views[0].storage_offset() > 0 and views[2].storage_offset() > 0
+    y = lowbit.fp8_gemm(*views, *pair, None, torch.float32)
+    assert torch.equal(y, lowbit.fp8_gemm(*(t.clone() for t in views), *pair, None, torch.float32))
+    sa_nan = sa.clone()
+    sa_nan[5, 1] = float("nan")
+    y = lowbit.fp8_gemm(a, sa_nan, b, sb, *pair, None, torch.float32)
+    assert y[5].isnan().all() and not y[:5].isnan().any() and not y[6:].isnan().any()

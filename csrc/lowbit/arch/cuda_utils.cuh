@@ -162,18 +162,22 @@ __device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
 }
 
 namespace detail {
-// A programmatic dependent launch, in clusters of *cluster CTAs when given.
+// A launch (programmatic dependent when `dependent`), in clusters of
+// *cluster CTAs when given.
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent_ex(void (*kernel)(Params...), dim3 grid, const dim3* cluster, dim3 block, size_t smem,
-                                cudaStream_t stream, Args&&... args) {
+cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, const dim3* cluster, dim3 block, size_t smem,
+                      cudaStream_t stream, bool dependent, Args&&... args) {
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  int n = 0;
+  if (dependent) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
   if (cluster) {
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = cluster->x;
-    attr[1].val.clusterDim.y = cluster->y;
-    attr[1].val.clusterDim.z = cluster->z;
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster->x;
+    attr[n].val.clusterDim.y = cluster->y;
+    attr[n++].val.clusterDim.z = cluster->z;
   }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
@@ -181,7 +185,7 @@ cudaError_t launch_dependent_ex(void (*kernel)(Params...), dim3 grid, const dim3
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = cluster ? 2 : 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
 }
 }  // namespace detail
@@ -189,13 +193,20 @@ cudaError_t launch_dependent_ex(void (*kernel)(Params...), dim3 grid, const dim3
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                              Args&&... args) {
-  return detail::launch_dependent_ex(kernel, grid, nullptr, block, smem, stream, static_cast<Args&&>(args)...);
+  return detail::launch_ex(kernel, grid, nullptr, block, smem, stream, true, static_cast<Args&&>(args)...);
 }
 // launch_dependent with the grid in clusters of `cluster` CTAs.
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent_clusters(void (*kernel)(Params...), dim3 grid, dim3 cluster, dim3 block, size_t smem,
                                       cudaStream_t stream, Args&&... args) {
-  return detail::launch_dependent_ex(kernel, grid, &cluster, block, smem, stream, static_cast<Args&&>(args)...);
+  return detail::launch_ex(kernel, grid, &cluster, block, smem, stream, true, static_cast<Args&&>(args)...);
+}
+// An ordinary stream-ordered launch (it starts after the previous kernel
+// ends) with the grid in clusters of `cluster` CTAs.
+template <typename... Params, typename... Args>
+cudaError_t launch_clusters(void (*kernel)(Params...), dim3 grid, dim3 cluster, dim3 block, size_t smem,
+                            cudaStream_t stream, Args&&... args) {
+  return detail::launch_ex(kernel, grid, &cluster, block, smem, stream, false, static_cast<Args&&>(args)...);
 }
 
 // Streaming multiprocessors of the current device, cached per device.

@@ -55,6 +55,18 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, i
       : "memory");
 }
 
+// tma_load_2d into the same shared-memory offset of every CTA of the cluster
+// in cta_mask (bit r: rank r), each completing on its own mbarrier at bar's
+// offset.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* tensor_map, int32_t c0, int32_t c1,
+                                                      uint64_t* bar, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_addr(dst)),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(cta_mask)
+      : "memory");
+}
+
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
 // shared memory, completing as transactions on bar.
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
@@ -230,6 +242,52 @@ template <> struct Wgmma<__half> {
     LOWBIT_WGMMA_M64N128K16_SS("f16");
   }
 };
+// d (64 x 192, FP32) = (accumulate ? d : 0) + a (64 x 32) * b (32 x 192) with
+// FP8 operands (kA5, kB5: E5M2, else E4M3), both K-major in shared memory
+// with the 128-byte swizzle (rows of 128 codes; a k32 slice starts 32 bytes
+// further); d[4j + 2h + e] is row 16 warp + lane / 4 + 8h, column
+// 8j + 2 (lane % 4) + e, as in the 16-bit forms.
+#define LOWBIT_WGMMA_D96 \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+  ", " "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  ", " "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" \
+  ", " "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  ", " "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" \
+  ", " "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" "}"
+#define LOWBIT_WGMMA_D96_OPERANDS \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define LOWBIT_WGMMA_M64N192K32_FP8(TA, TB)                                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %98, 0;\n wgmma.mma_async.sync.aligned.m64n192k32.f32." TA \
+               "." TB " " LOWBIT_WGMMA_D96 ", %96, %97, p, 1, 1;\n}"                                             \
+               : LOWBIT_WGMMA_D96_OPERANDS                                                                     \
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+template <bool kA5, bool kB5> struct WgmmaFp8;
+#define LOWBIT_WGMMA_FP8_PAIR(A5, B5, TA, TB)                                                             \
+  template <> struct WgmmaFp8<A5, B5> {                                                                   \
+    __device__ __forceinline__ static void m64n192k32_ss(float (&d)[96], uint64_t a_desc, uint64_t b_desc, \
+                                                         uint32_t accumulate) {                         \
+      LOWBIT_WGMMA_M64N192K32_FP8(TA, TB);                                                                \
+    }                                                                                                     \
+  };
+LOWBIT_WGMMA_FP8_PAIR(false, false, "e4m3", "e4m3")
+LOWBIT_WGMMA_FP8_PAIR(true, false, "e5m2", "e4m3")
+LOWBIT_WGMMA_FP8_PAIR(false, true, "e4m3", "e5m2")
+#undef LOWBIT_WGMMA_FP8_PAIR
+#undef LOWBIT_WGMMA_M64N192K32_FP8
+#undef LOWBIT_WGMMA_D96
+#undef LOWBIT_WGMMA_D96_OPERANDS
+
 // d (64 x N, FP32) += a (64 x 16) * b (16 x N) with a in registers and b
 // K-major in shared memory (descriptor), N = 16, 32 or 64 (a swapped-AB
 // GEMM's W rows as a, its few x rows as b). a: this warp's 16 rows (16 (warp
