@@ -24,16 +24,18 @@ def test_gemm_dims_follow_the_step():
 
 def test_rows_from_fake_timings():
     shape = (2048, 4096, 1024)
-    times = {"lowbit": 4e-6, "cublaslt:block": 5e-6, "cublaslt:tensor": 3.5e-6, "bf16": 8e-6}
-    notes = {"lowbit": "max |lowbit - cublaslt:block| = 1.0e-03 of max |y|"}
+    times = {"lowbit": 5e-6, "lowbit:fp32": 4e-6, "lowbit:fp16": 80e-6, "cublaslt:block": 5e-6,
+             "cublaslt:tensor": 3.5e-6, "bf16": 8e-6}
+    notes = {"lowbit:fp32": "max |lowbit:fp32 - cublaslt:block| = 1.0e-03 of max |y|"}
     rows = {r["provider"]: r for r in fp8_gemm.make_rows(HW, shape, "dgrad", times, notes)}
     assert list(rows) == list(fp8_gemm.PROVIDERS)
-    ours = rows["lowbit"]
+    assert rows["lowbit:fp16"]["x_block"] == pytest.approx(1 / 16)
+    ours = rows["lowbit:fp32"]
     flops = 2.0 * 2048 * 4096 * 1024
     assert ours["us"] == pytest.approx(4.0) and ours["TFLOP/s"] == pytest.approx(flops / 4e-6 / 1e12)
     assert ours["x_block"] == pytest.approx(1.25) and ours["x_bf16"] == pytest.approx(2.0)
     assert ours["%floor"] == pytest.approx(100 * flops / 1400e12 / 4e-6)
-    assert ours["note"] == notes["lowbit"]
+    assert ours["note"] == notes["lowbit:fp32"]
     assert rows["cublaslt:block"]["x_block"] == pytest.approx(1.0)
 
 

@@ -5,21 +5,28 @@ each fp8_train shape (M tokens, K in, N out) the step's three GEMMs
   dgrad  dx [M, K] = dy [M, N] (1 x 128) . W^T [K, N] (128 x 128)
   wgrad  dW [N, K] = dy^T [N, M] (1 x 128 along M) . x^T [K, M] (1 x 128 along M)
 
-with bfloat16 outputs, by provider, timed in turns on the same FP8 operands
-(CUDA graphs, cold L2 through rotating operand sets):
+by provider, timed in turns on the same FP8 operands (CUDA graphs, cold L2
+through rotating operand sets):
 
-  lowbit          lowbit.fp8_gemm, the op the recipe runs;
+  lowbit          lowbit.fp8_gemm with a bfloat16 output, as the recipe
+                  runs it (cuBLASLt's block scaling where it takes the shape);
+  lowbit:fp32     lowbit.fp8_gemm with a float32 output (the weight gradient
+                  of FP32 master weights): lowbit's own block-scaled kernel,
+                  which cuBLASLt's block scaling (bfloat16 only) cannot serve;
+  lowbit:fp16     lowbit.fp8_gemm with a float16 output: the reference
+                  formula on the device (FP32 dequantize + FP32 matmul), the
+                  path float32 outputs took before lowbit's kernel;
   cublaslt:block  torch._scaled_mm with the same block scales (cuBLASLt's
-                  DeepSeek-style block scaling), the peer;
+                  DeepSeek-style block scaling, bfloat16 output);
   cublaslt:tensor torch._scaled_mm on the same codes with one scale per
                   operand (fast accumulation off): what the GEMM costs
-                  without block scales, the mark a block-scaled kernel aims at;
+                  without block scales;
   bf16            torch.mm on BF16 operands of the same shapes.
 
 Columns: us, TFLOP/s (2 M N K), x_block (cuBLASLt block's time over this
 one), x_bf16, %floor (2 M N K at the FP8 peak measured in the same run);
-the lowbit row's note gives its largest difference from cuBLASLt's block
-result, relative to the output's largest magnitude.
+the lowbit:fp32 row's note gives its largest difference from cuBLASLt's
+block result, relative to the output's largest magnitude.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from lowbit.bench.fp8_train import QUICK_SHAPES, SHAPES
 from lowbit.bench.harness import Hardware, rotation_count, time_calls_in_turns
 
 GEMMS = ("fprop", "dgrad", "wgrad")
-PROVIDERS = ("lowbit", "cublaslt:block", "cublaslt:tensor", "bf16")
+PROVIDERS = ("lowbit", "lowbit:fp32", "lowbit:fp16", "cublaslt:block", "cublaslt:tensor", "bf16")
 COLUMNS = ["M", "K", "N", "gemm", "provider", "us", "TFLOP/s", "x_block", "x_bf16", "%floor", "note"]
 
 
@@ -74,6 +81,10 @@ def _operands(rows_a: int, rows_b: int, red: int, b_scaling: str, device="cuda")
     sb_mm = cb.scale.contiguous().t() if b_scaling == "block2d" else cb.scale.t().contiguous()
     return {
         "lowbit": lambda: lowbit.fp8_gemm(ca.data, ca.scale, cb.data, cb.scale, "block", b_scaling),
+        "lowbit:fp32": lambda: lowbit.fp8_gemm(ca.data, ca.scale, cb.data, cb.scale, "block", b_scaling, None,
+                                               torch.float32),
+        "lowbit:fp16": lambda: lowbit.fp8_gemm(ca.data, ca.scale, cb.data, cb.scale, "block", b_scaling, None,
+                                               torch.float16),
         "cublaslt:block": lambda: torch._scaled_mm(ca.data, cb.data.t(), sa_mm, sb_mm, out_dtype=torch.bfloat16),
         "cublaslt:tensor": lambda: torch._scaled_mm(ca.data, cb.data.t(), one, one, out_dtype=torch.bfloat16),
         "bf16": lambda: torch.mm(xa, xb.t()),
@@ -96,10 +107,10 @@ def _time_gemm(hw: Hardware, shape, gemm: str, use_graph: bool):
             continue
         providers.append((lambda i, name=name: sets[i][name](), n_sets))
         names.append(name)
-    if "lowbit" in names and "cublaslt:block" in names:
-        ours, peer = sets[0]["lowbit"]().float(), sets[0]["cublaslt:block"]().float()
+    if "lowbit:fp32" in names and "cublaslt:block" in names:
+        ours, peer = sets[0]["lowbit:fp32"](), sets[0]["cublaslt:block"]().float()
         rel = float((ours - peer).abs().max() / peer.abs().max().clamp_min(1e-30))
-        notes["lowbit"] = f"max |lowbit - cublaslt:block| = {rel:.1e} of max |y|"
+        notes["lowbit:fp32"] = f"max |lowbit:fp32 - cublaslt:block| = {rel:.1e} of max |y|"
     times = dict(zip(names, time_calls_in_turns(providers, use_graph=use_graph)))
     return times, notes
 
