@@ -707,16 +707,21 @@ def add_fp8_cases(b: Builder):
     g = b.gen("fp8 gemm")
     a_hp = b.randn(gm, gk, gen=g, dtype=torch.bfloat16)
     w_hp = b.randn(gn, gk, gen=g, dtype=torch.bfloat16, std=gk**-0.5)
-    for sa, sb in (("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d")):
+    # bfloat16 outputs run cuBLASLt; float32 ones with block scales lowbit's
+    # block-scaled kernel (2-CTA clusters, multicast copies)
+    gemm_cases = [(sa, sb, None, "cuBLASLt") for sa, sb in
+                  (("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d"))]
+    gemm_cases += [("block", sb, torch.float32, "float32 out, lowbit's block kernel") for sb in ("block", "block2d")]
+    for sa, sb, out_dtype, path in gemm_cases:
         qa, qb = lowbit.fp8_cast(a_hp, sa), lowbit.fp8_cast(w_hp, sb)
-        operands = (qa.data, qa.scale, qb.data, qb.scale, sa, sb)
+        operands = (qa.data, qa.scale, qb.data, qb.scale, sa, sb, None, out_dtype)
 
         def check_gemm(out, operands=operands):
             want = lowbit.fp8_gemm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in operands])
             err = rel_err(out[0], want)
             return None if err < FP8_TOL else f"rel err {err:.2e} vs the CPU op"
 
-        b.add("fp8_gemm", f"fp8_gemm {sa} x {sb} (cuBLASLt) M={gm} N={gn} K={gk}",
+        b.add("fp8_gemm", f"fp8_gemm {sa} x {sb} ({path}) M={gm} N={gn} K={gk}",
               lambda operands=operands: (lowbit.fp8_gemm(*operands),), check_gemm)
 
     lm, ln, lk = (256, 384, 512) if b.small else (2048, 1536, 1024)
