@@ -34,10 +34,9 @@ struct BlockGemmArgs {
 };
 
 // Whether block_gemm_cuda takes these operands (everything else stays on the
-// caller's other paths): K a multiple of 128, n a multiple of 16, both
-// operands not E5M2, a bfloat16 or float32 output, 16-byte aligned operands
-// and transposed 1 x 128 scales, sizes within the kernel's 32-bit tile
-// indices.
+// caller's other paths): K a multiple of 128, n a multiple of 16, at most one
+// E5M2 operand, a bfloat16 or float32 output, 16-byte aligned operands and
+// transposed 1 x 128 scales, sizes within the kernel's 32-bit tile indices.
 bool block_gemm_takes(const BlockGemmArgs& args);
 
 #if defined(LOWBIT_WITH_CUDA)
