@@ -7,8 +7,8 @@
 //   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
 //     multiples of 16 (cuBLASLt FP8: row-major a times column-major b, i.e.
 //     our b [N, K] row-major, passed as b.t()).
-//   other block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128
-//     by 1 x 128) operands: at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
+//   block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128 by
+//     1 x 128): at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
 //     12.9, compute capability 9.0 only), with its scale layouts: a's scales
 //     [M, K/128] column-major; b's 128 x 128 scales passed as [K/128, N/128]
 //     (our [N/128, K/128] transposed); b's 1 x 128 scales as [K/128, N]
@@ -25,7 +25,7 @@
 //   block scales cuBLASLt does not take, with a bfloat16 or float32 output,
 //     K a multiple of 128 and N of 16 (fp8::block_gemm_takes): lowbit's
 //     block-scaled wgmma GEMM (csrc/lowbit/fp8/sm90_fp8_block_gemm.cu),
-//     0.65-0.8x cuBLASLt's speed where both run, so second to it.
+//     0.62-0.79x cuBLASLt's speed where both run, so second to it.
 //   anything else (other shapes, float16 output with block scales, e5m2 x
 //     e5m2): the reference formula on the device, both
 //     operands dequantized to FP32 and an FP32 matmul. Correct but slow: a
@@ -104,7 +104,7 @@ c10::optional<at::Tensor> own_block_gemm(const at::Tensor& a, const at::Tensor& 
   if (!bf16_out && out_dtype != at::kFloat) return c10::nullopt;
   const at::Tensor sa_c = scale_a.contiguous();
   // 1 x 128 B scales go in transposed, [K/128, N]: a K-block's scales of a
-  // tile's columns are then one 512-byte copy.
+  // tile's columns are then one contiguous copy.
   const at::Tensor sb_c = sb == Scaling::kBlock ? scale_b.t().contiguous() : scale_b.contiguous();
   // The bias in FP32, whatever its dtype: added to the FP32 sum before the
   // output's one rounding.
