@@ -126,12 +126,40 @@ TEST(ScaleRule, ReciprocalDivisionGivesTheDividedCodes) {
     if (unit(rng) < 0.5f) x = -x;
     const uint8_t fast = float_to_fp8(div_by_scale(x, s, 1.0f / s), f), exact = encode(x, s, f);
     ASSERT_EQ(fast, exact) << x << " / " << s << (f == Format::kE4M3 ? " e4m3" : " e5m2");
+    // Quotients below 2^17 are finite: the unguarded form of computed scales.
+    ASSERT_EQ(float_to_fp8(div_by_bounded_scale(x, s, 1.0f / s), f), exact) << x << " / " << s;
     ++checked;
   }
   EXPECT_GT(checked, 1000000);
   EXPECT_FALSE(fast_division_ok(0x1p-81f));
   EXPECT_FALSE(fast_division_ok(INFINITY));
   EXPECT_FALSE(fast_division_ok(std::nanf("")));
+}
+
+TEST(ScaleRule, PowerOfTwoScalesDivideByOneMultiplication) {
+  // pow2_division_ok scales: x * (1 / s) gives the rule's codes, quotients
+  // from below the smallest codes to past the saturation (and inf), on and
+  // next to rounding midpoints, -0 kept.
+  std::mt19937 rng(12);
+  std::uniform_int_distribution<int> log_s(-80, 100);
+  std::uniform_real_distribution<float> log_q(-30.f, 40.f), unit(0.f, 1.f);
+  for (int i = 0; i < 1000000; ++i) {
+    const Format f = i % 2 ? Format::kE5M2 : Format::kE4M3;
+    const float s = std::exp2(static_cast<float>(log_s(rng)));
+    ASSERT_TRUE(pow2_division_ok(s)) << s;
+    float x = std::exp2(log_q(rng)) * s;
+    if (i % 8 < 2) {
+      const int code = 1 + static_cast<int>(unit(rng) * (f == Format::kE4M3 ? 125 : 122));
+      x = 0.5f * (fp8_to_float(code, f) + fp8_to_float(code + 1, f)) * s;
+      if (i % 8 == 1) x = std::nextafter(x, (i & 16) ? INFINITY : 0.f);
+    }
+    if (i % 1000 == 3) x = 0.f;
+    if (unit(rng) < 0.5f) x = -x;
+    ASSERT_EQ(float_to_fp8(x * (1.0f / s), f), encode(x, s, f)) << x << " / " << s;
+  }
+  EXPECT_FALSE(pow2_division_ok(3.f));
+  EXPECT_FALSE(pow2_division_ok(0x1p-81f));
+  EXPECT_FALSE(pow2_division_ok(INFINITY));
 }
 
 TEST(CastCpu, BlockScalesPerTileAndTransposedCopy) {

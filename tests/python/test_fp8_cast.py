@@ -192,9 +192,14 @@ def test_cuda_matches_cpu_bitwise(scaling, fmt, dtype, shape):
             assert g.is_cuda
             torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
     if scaling == "tensor":
-        s = torch.tensor(0.03)
-        for g, w in zip(lowbit.fp8_cast(x.cuda(), scaling, fmt, True, s.cuda()), lowbit.fp8_cast(x, scaling, fmt, True, s)):
-            torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
+        # Given scales: the guarded reciprocal division (0.03), a power of two
+        # (one multiplication), and both with quotients past float's range
+        # (x * 1e30 / 2^-80 overflows: saturated codes, as the rule's).
+        for xs, scale in ((x, 0.03), (x, 0.03125), (x.float() * 1e30, 2.0**-80), (x.float() * 1e30, 3 * 2.0**-80)):
+            s = torch.tensor(scale)
+            got = lowbit.fp8_cast(xs.cuda(), scaling, fmt, True, s.cuda())
+            for g, w in zip(got, lowbit.fp8_cast(xs, scaling, fmt, True, s)):
+                torch.testing.assert_close(codes(g).cpu(), codes(w), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.cuda

@@ -291,17 +291,31 @@ struct Divisor {
   __device__ explicit Divisor(float2 sr) : s(sr.x), r(sr.y) {}
 };
 
-// Codes of a and b in the low and high byte. kFast: the scale takes the
-// reciprocal division (fast_division_ok) and no quotient can be NaN, so one
-// conversion instruction takes both; otherwise the element rule (IEEE
-// division, NaN to 0x7f).
-template <Format F, bool kFast>
+// How the encoding loop divides by a scale, chosen once per thread from its
+// scales (cast_kernel): the element rule (IEEE division, NaN to 0x7f) where
+// a scale is extreme or an element NaN; else the reciprocal division with a
+// paired conversion: guarded (div_by_scale) for a given scale, bounded
+// (div_by_bounded_scale) for scales computed from the elements' amaxes, a
+// bare multiplication for powers of two (pow2_division_ok). All give the
+// element rule's codes.
+enum class Division { kElement, kGuarded, kBounded, kPow2 };
+
+// Codes of a and b in the low and high byte.
+template <Format F, Division D>
 __device__ __forceinline__ uint32_t encode2(float a, float b, const Divisor& d) {
-  if (kFast) {
-    const float2 q = make_float2(div_by_scale(a, d.s, d.r), div_by_scale(b, d.s, d.r));
+  if constexpr (D == Division::kElement) {
+    return uint32_t(encode(a, d.s, F)) | uint32_t(encode(b, d.s, F)) << 8;
+  } else {
+    float2 q;
+    if constexpr (D == Division::kPow2) {
+      q = make_float2(__fmul_rn(a, d.r), __fmul_rn(b, d.r));
+    } else if constexpr (D == Division::kBounded) {
+      q = make_float2(div_by_bounded_scale(a, d.s, d.r), div_by_bounded_scale(b, d.s, d.r));
+    } else {
+      q = make_float2(div_by_scale(a, d.s, d.r), div_by_scale(b, d.s, d.r));
+    }
     return __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, F == Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
   }
-  return uint32_t(encode(a, d.s, F)) | uint32_t(encode(b, d.s, F)) << 8;
 }
 
 // Byte e of rows r[0..3] (each 4 codes of consecutive columns) gathered into
@@ -319,7 +333,7 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&r)[4], uint32_t* w
 // transposed copy's are gathered into words (4 rows of one column): a byte
 // transpose of the row codes where data and data_t share the scale, else
 // codes of their own.
-template <typename T, Format F, bool kFast>
+template <typename T, Format F, Division D>
 __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Divisor (&rd)[kPasses][kGroupRows],
                                             const Divisor (&dc)[kVec], const Tile& t, const CastParams& p,
                                             uint32_t (&words)[kPasses][kVec]) {
@@ -332,8 +346,8 @@ __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Diviso
     for (int q = 0; q < kGroupRows; ++q) {
       const Divisor& d = rd[a][q];
       auto f = [&](int e) { return to_float(v[a][q][e]); };
-      lo[q] = encode2<F, kFast>(f(0), f(1), d) | encode2<F, kFast>(f(2), f(3), d) << 16;
-      hi[q] = encode2<F, kFast>(f(4), f(5), d) | encode2<F, kFast>(f(6), f(7), d) << 16;
+      lo[q] = encode2<F, D>(f(0), f(1), d) | encode2<F, D>(f(2), f(3), d) << 16;
+      hi[q] = encode2<F, D>(f(4), f(5), d) | encode2<F, D>(f(6), f(7), d) << 16;
       const int64_t i = t.row0 + t.row(a, q);
       if (i < p.rows) {
         uint8_t* out = p.data + i * p.cols + j0;
@@ -354,7 +368,7 @@ __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Diviso
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         auto f = [&](int q) { return to_float(v[a][q][e]); };
-        words[a][e] = encode2<F, kFast>(f(0), f(1), dc[e]) | encode2<F, kFast>(f(2), f(3), dc[e]) << 16;
+        words[a][e] = encode2<F, D>(f(0), f(1), dc[e]) | encode2<F, D>(f(2), f(3), dc[e]) << 16;
       }
     }
   }
@@ -415,8 +429,7 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
         }
       break;
     case Scaling::kBlock: {
-      const float m = warp_amax(thread_amax(v));
-      if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
+      float mine = 0.f;  // the tensor's amax, from this thread's part of each row's
 #pragma unroll
       for (int a = 0; a < kPasses; ++a)
 #pragma unroll
@@ -424,11 +437,14 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
           float r = 0.f;
 #pragma unroll
           for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[a][q][e]));
+          mine = amax2(mine, r);
           const float s = scale_of(row_amax(r));
           rd[a][q] = Divisor(s);
           const int64_t i = t.row0 + t.row(a, q);
           if (t.cg == 0 && i < p.rows) p.scale[i * kb + blockIdx.y] = s;
         }
+      mine = warp_amax(mine);
+      if (threadIdx.x % 32 == 0) atomic_amax(p.amax, mine);
       float c[kVec];
       tile_column_amaxes(v, t, red, col_bits, c);
 #pragma unroll
@@ -454,25 +470,34 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
     }
   }
 
-  // One branch per thread between the two forms of the encoding loop (a
-  // branch per element would replicate both in the unrolled code): the
-  // reciprocal division with paired conversions, or the element rule for
-  // extreme scales and NaN. A NaN element makes its group's computed scale
-  // NaN, which fails fast_division_ok; only a given scale needs `clean`.
-  // The transposed copy's column scales are data's where they are shared
-  // (tensor, block2d) and unused where there is no copy (cd stays 1).
-  bool fast = clean;
+  // One branch per thread between the forms of the encoding loop (a branch
+  // per element would replicate them all in the unrolled code). A NaN
+  // element makes its group's computed scale NaN, which fails
+  // fast_division_ok; only a given scale needs `clean`. The transposed
+  // copy's column scales are data's where they are shared (tensor, block2d)
+  // and unused where there is no copy (cd stays 1).
+  bool fast = clean, pow2 = true;
 #pragma unroll
   for (int a = 0; a < kPasses; ++a)
 #pragma unroll
-    for (int q = 0; q < kGroupRows; ++q) fast = fast && fast_division_ok(rd[a][q].s);
+    for (int q = 0; q < kGroupRows; ++q) {
+      fast = fast && fast_division_ok(rd[a][q].s);
+      pow2 = pow2 && pow2_division_ok(rd[a][q].s);
+    }
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) fast = fast && fast_division_ok(cd[e].s);
+  for (int e = 0; e < kVec; ++e) {
+    fast = fast && fast_division_ok(cd[e].s);
+    pow2 = pow2 && pow2_division_ok(cd[e].s);
+  }
   uint32_t words[kPasses][kVec];
-  if (fast) {
-    encode_tile<T, F, true>(v, rd, cd, t, p, words);
+  if (!fast) {
+    encode_tile<T, F, Division::kElement>(v, rd, cd, t, p, words);
+  } else if (pow2) {
+    encode_tile<T, F, Division::kPow2>(v, rd, cd, t, p, words);
+  } else if (p.given_scale == nullptr) {  // every scale from its elements' amax
+    encode_tile<T, F, Division::kBounded>(v, rd, cd, t, p, words);
   } else {
-    encode_tile<T, F, false>(v, rd, cd, t, p, words);
+    encode_tile<T, F, Division::kGuarded>(v, rd, cd, t, p, words);
   }
   if (!p.transpose) return;
 

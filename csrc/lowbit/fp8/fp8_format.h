@@ -152,4 +152,25 @@ LOWBIT_HD float div_by_scale(float x, float s, float r) {
 #endif
 }
 
+// div_by_scale where x * r cannot overflow: for a scale the cast computed
+// from the amax of the elements it divides (scale_from_amax, |margin| <= 64),
+// |x / s| <= fmax * 2^64, so the Markstein step is always taken and
+// div_with_reciprocal's guard for an infinite x * r is left out (three
+// instructions of the cast's hot loop). Same results as div_by_scale there;
+// tests/cpp checks it.
+LOWBIT_HD float div_by_bounded_scale(float x, float s, float r) {
+#if defined(__CUDA_ARCH__)
+  const float q0 = __fmul_rn(x, r);
+  return copysignf(__fmaf_rn(__fmaf_rn(-q0, s, x), r, q0), x);
+#else
+  const float q0 = x * r;
+  return std::copysign(std::fma(std::fma(-q0, s, x), r, q0), x);
+#endif
+}
+
+// A power of two in the fast_division_ok range: its reciprocal is exact, so
+// x * (1 / s) is x / s correctly rounded (overflow, underflow and the sign of
+// zero included), one multiplication per element.
+LOWBIT_HD bool pow2_division_ok(float s) { return fast_division_ok(s) && (float_bits(s) & 0x7fffffu) == 0; }
+
 }  // namespace lowbit::fp8
