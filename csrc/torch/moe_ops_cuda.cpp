@@ -95,7 +95,7 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_sort_cuda(sa, stream));
   // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
   at::Tensor gate_up = at::_scaled_grouped_mm(x8, fp8_codes(w13_fp8).transpose(1, 2), x_scale, w13_fp8_scale,
-                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, false);
+                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, kFp8FastAccum);
   at::Tensor act = at::empty({pairs, inter}, f8), act_scale = at::empty({pairs}, f32);
   nvfp4::moe::Fp8MoeActArgs aa{};
   aa.gate_up = gate_up.data_ptr();
@@ -109,7 +109,7 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   aa.act_scale = act_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_act_cuda(aa, stream));
   at::Tensor y = at::_scaled_grouped_mm(act, fp8_codes(w2_fp8).transpose(1, 2), act_scale, w2_fp8_scale, offsets,
-                                        c10::nullopt, c10::nullopt, at::kBFloat16, false);
+                                        c10::nullopt, c10::nullopt, at::kBFloat16, kFp8FastAccum);
   at::Tensor out = at::empty({m, h}, x.options());
   nvfp4::moe::Fp8MoeCombineArgs ca{};
   ca.y = y.data_ptr();

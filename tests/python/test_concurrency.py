@@ -554,7 +554,7 @@ def add_moe_cases(b: Builder):
     _add_moe_fp8(b, 64, 256, 128, 8, 2, 0.5)
 
 
-MOE_FP8_TOL = 1.5e-2  # test_nvfp4_moe_fp8.py FP8_CUDA_TOL: the grouped GEMM's BF16 roundings, amplified by E4M3
+MOE_FP8_TOL = 3e-2  # test_nvfp4_moe_fp8.py FP8_CUDA_TOL: fast accumulation and BF16 roundings, amplified by E4M3
 
 
 def _add_moe_fp8(b: Builder, M, H, I, E, k, limit):

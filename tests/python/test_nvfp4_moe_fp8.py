@@ -22,11 +22,14 @@ from test_nvfp4_moe import Experts, random_routing, random_x, rel_err, seed_of
 
 FP8_REF_TOL = 4e-3
 FP8_PATH_TOL = 9e-2
-# CUDA against the CPU op: torch's grouped FP8 GEMM applies the row scales
-# in its own order, so ~7% of gate / up values land one BF16 unit away from
-# (sum x s_x) x s_w in FP32 (measured on an H100), and about one in 16 of
-# those moves its activation's E4M3 code a step (6%): 4.4-5.6e-3 measured.
-FP8_CUDA_TOL = 1.5e-2
+# CUDA against the CPU op: torch's grouped FP8 GEMMs accumulate with the
+# tensor cores' fast accumulation (kFp8FastAccum in csrc/torch/linear_ops.h)
+# where the CPU op sums exactly in FP32: their outputs differ by 1.6-2.3e-3
+# relative (measured on an H200 at K = 2048-7168, docs/perf/log/moe.md, "MoE
+# v14"), and each SwiGLU value that lies that close to an E4M3 rounding
+# midpoint moves its code a step (6% of the value): 1.7e-2 measured at H =
+# 7168 (4.4-5.6e-3 with exact accumulation), less at smaller H.
+FP8_CUDA_TOL = 3e-2
 cuda = pytest.mark.cuda
 
 
