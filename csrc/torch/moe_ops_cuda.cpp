@@ -93,9 +93,16 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   sa.x_fp8 = reinterpret_cast<uint8_t*>(x8.data_ptr());
   sa.x_scale = x_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_sort_cuda(sa, stream));
+  // Fast accumulation (kFp8FastAccum) only where torch 2.11's grouped FP8
+  // GEMM keeps its 64-row tiles with it: at most 128 rows per group on
+  // average. Above, its fast-accumulation form takes 256-row tiles, which
+  // ran DeepSeek-V3's experts at 4096 tokens (143 rows per group with the
+  // shared expert) at 1.24x BF16 on an H200 against 1.84-1.93x with exact
+  // accumulation on an H100 (docs/perf/log/moe.md, "MoE v14").
+  const bool fast_accum = kFp8FastAccum && pairs / e <= 128;
   // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
   at::Tensor gate_up = at::_scaled_grouped_mm(x8, fp8_codes(w13_fp8).transpose(1, 2), x_scale, w13_fp8_scale,
-                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, kFp8FastAccum);
+                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, fast_accum);
   at::Tensor act = at::empty({pairs, inter}, f8), act_scale = at::empty({pairs}, f32);
   nvfp4::moe::Fp8MoeActArgs aa{};
   aa.gate_up = gate_up.data_ptr();
@@ -109,7 +116,7 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   aa.act_scale = act_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_act_cuda(aa, stream));
   at::Tensor y = at::_scaled_grouped_mm(act, fp8_codes(w2_fp8).transpose(1, 2), act_scale, w2_fp8_scale, offsets,
-                                        c10::nullopt, c10::nullopt, at::kBFloat16, kFp8FastAccum);
+                                        c10::nullopt, c10::nullopt, at::kBFloat16, fast_accum);
   at::Tensor out = at::empty({m, h}, x.options());
   nvfp4::moe::Fp8MoeCombineArgs ca{};
   ca.y = y.data_ptr();

@@ -23,8 +23,8 @@ from test_nvfp4_moe import Experts, random_routing, random_x, rel_err, seed_of
 FP8_REF_TOL = 4e-3
 FP8_PATH_TOL = 9e-2
 # CUDA against the CPU op: torch's grouped FP8 GEMMs accumulate with the
-# tensor cores' fast accumulation (kFp8FastAccum in csrc/torch/linear_ops.h)
-# where the CPU op sums exactly in FP32: their outputs differ by 1.6-2.3e-3
+# tensor cores' fast accumulation (kFp8FastAccum in csrc/torch/linear_ops.h;
+# at most 128 rows per expert on average) where the CPU op sums exactly: their outputs differ by 1.6-2.3e-3
 # relative (measured on an H200 at K = 2048-7168, docs/perf/log/moe.md, "MoE
 # v14"), and each SwiGLU value that lies that close to an E4M3 rounding
 # midpoint moves its code a step (6% of the value): 1.7e-2 measured at H =
