@@ -97,13 +97,6 @@ nvfp4::gemm::Fp8WeightArgs to_fp8_args(const at::Tensor& weight, const at::Tenso
 // The cached FP8 weight as float8_e4m3fn (a view of uint8 codes).
 at::Tensor fp8_codes(const at::Tensor& weight_fp8);
 
-// The inference FP8 paths' GEMMs (the Linear's _scaled_mm, the MoE's grouped
-// GEMMs) accumulate with the tensor cores' fast accumulation: measured in
-// docs/perf/log/linear.md ("Linear v35"), its error against the exact
-// accumulation far below the E4M3 roundings' (tests: test_linear_fp8.py,
-// test_nvfp4_moe_fp8.py against the CPU op).
-constexpr bool kFp8FastAccum = true;
-
 // The reference Linear in ATen ops on x's device (the CPU kernel; the CUDA
 // kernel for float32 x, which the fused kernels and cuBLASLt's FP8 GEMM do
 // not take): `unpack_fp32(global)` returns the weight [N, K] in FP32 times

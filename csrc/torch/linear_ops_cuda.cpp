@@ -137,11 +137,12 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
   // _scaled_mm takes row-major A and column-major B: W's codes [N, K]
-  // row-major are B^T; the scales [M, 1] and [1, N]. Fast accumulation (the
-  // tensor cores' own FP32 sums, not promoted every few k-steps; as vLLM's
-  // and TransformerEngine's forward FP8 GEMMs): kFp8FastAccum.
+  // row-major are B^T; the scales [M, 1] and [1, N]. Exact accumulation:
+  // with fast accumulation cuBLASLt finds no algorithm for some row-scaled
+  // shapes (M = 1, N = 1024, K = 7168 with a bias: CUBLAS_STATUS_NOT_SUPPORTED;
+  // docs/perf/log/linear.md, "Linear v35").
   return at::_scaled_mm(x8, w8.contiguous().t(), x_scale.view({m, 1}), w_scale.contiguous().view({1, w8.size(0)}), b,
-                        c10::nullopt, x2.scalar_type(), kFp8FastAccum)
+                        c10::nullopt, x2.scalar_type(), /*use_fast_accum=*/false)
       .view(out_shape);
 }
 

@@ -23,7 +23,7 @@ from test_nvfp4_moe import Experts, random_routing, random_x, rel_err, seed_of
 FP8_REF_TOL = 4e-3
 FP8_PATH_TOL = 9e-2
 # CUDA against the CPU op: torch's grouped FP8 GEMMs accumulate with the
-# tensor cores' fast accumulation (kFp8FastAccum in csrc/torch/linear_ops.h;
+# tensor cores' fast accumulation (moe_fp8_cuda in csrc/torch/moe_ops_cuda.cpp:
 # at most 128 rows per expert on average) where the CPU op sums exactly: their outputs differ by 1.6-2.3e-3
 # relative (measured on an H200 at K = 2048-7168, docs/perf/log/moe.md, "MoE
 # v14"), and each SwiGLU value that lies that close to an E4M3 rounding
