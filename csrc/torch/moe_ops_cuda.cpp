@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "checks.h"
 #include "cuda_checks.h"
@@ -64,8 +65,18 @@ at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights,
                         overrides);
 }
 
+// [E, ...] -> [2E - 1, ...] with group 2i = expert i; the odd groups alias
+// half-way between two experts and get no rows (split_offsets, nvfp4_moe.h).
+at::Tensor with_empty_groups(const at::Tensor& t) {
+  std::vector<int64_t> sizes = t.sizes().vec(), strides = t.strides().vec();
+  sizes[0] = 2 * sizes[0] - 1;
+  strides[0] /= 2;
+  return t.as_strided(sizes, strides);
+}
+
 // The FP8 path on checked inputs (M > 0). Each expert's rows form one group
-// of both grouped GEMMs; rows past the last group are never written or read.
+// of both grouped GEMMs (followed by an empty one at 129-256 rows per
+// expert); rows past the last group are never written or read.
 at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                         const at::Tensor& w13_fp8, const at::Tensor& w13_fp8_scale, const at::Tensor& w2_fp8,
                         const at::Tensor& w2_fp8_scale, c10::optional<double> swiglu_limit) {
@@ -76,7 +87,22 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   const auto f8 = x.options().dtype(at::kFloat8_e4m3fn);
   auto xc = contiguous_aligned(x, 16);
   auto wts = topk_weights.contiguous(), ids = topk_ids.contiguous();
+  // torch 2.11's grouped FP8 GEMM picks its tiles from rows(A) / groups:
+  // 64-row tiles (the same for both accumulations) up to 128, above 256-row
+  // tiles with the tensor cores' fast accumulation (no periodic promotion
+  // into FP32; outputs within 1.6-2.3e-3 of the promoted ones, 1.18-1.42x
+  // faster on the DeepSeek layers on an H200) and 128-row tiles without.
+  // Groups of 129-256 rows waste most of a 256-row tile (DeepSeek-V3 at 4096
+  // tokens, 143 rows per group with the shared expert: 1.24x BF16 on an H200
+  // with them, 1.80x with exact accumulation; docs/perf/log/moe.md, "MoE
+  // v14"), so there an empty group follows each expert's, which keeps the
+  // 64-row tiles, and fast accumulation is taken wherever those run.
+  const int64_t n13 = w13_fp8.size(1);
+  const bool split = e > 1 && pairs / e > 128 && pairs / (2 * e - 1) <= 128 && (n13 * h) % 32 == 0 &&
+                     (h * inter) % 32 == 0 && n13 % 2 == 0 && h % 2 == 0;
+  const bool fast_accum = pairs / e <= 128 || split;
   at::Tensor scratch = at::empty({2 * e}, i32), offsets = at::empty({e}, i32), pair_row = at::empty({m, k}, i32);
+  at::Tensor split_offsets = split ? at::empty({2 * e - 1}, i32) : at::Tensor();
   at::Tensor x8 = at::empty({pairs, h}, f8), x_scale = at::empty({pairs}, f32);
   nvfp4::moe::Fp8MoeSortArgs sa{};
   sa.x = xc.data_ptr();
@@ -89,22 +115,23 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   sa.counts = scratch.data_ptr<int32_t>();
   sa.cursor = sa.counts + e;
   sa.offsets = offsets.data_ptr<int32_t>();
+  sa.split_offsets = split ? split_offsets.data_ptr<int32_t>() : nullptr;
   sa.pair_row = pair_row.data_ptr<int32_t>();
   sa.x_fp8 = reinterpret_cast<uint8_t*>(x8.data_ptr());
   sa.x_scale = x_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_sort_cuda(sa, stream));
-  // The grouped GEMMs accumulate with the tensor cores' fast accumulation
-  // (no periodic promotion into FP32; outputs within 1.6-2.3e-3 of the
-  // promoted ones, 1.18-1.42x faster on the DeepSeek layers on an H200) only
-  // where torch 2.11's grouped FP8 GEMM keeps its 64-row tiles with it: at
-  // most 128 rows per group on average. Above, its fast-accumulation form
-  // takes 256-row tiles, which ran DeepSeek-V3's experts at 4096 tokens (143
-  // rows per group with the shared expert) at 1.24x BF16 on an H200, against
-  // 1.80x with exact accumulation (docs/perf/log/moe.md, "MoE v14").
-  const bool fast_accum = pairs / e <= 128;
   // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
-  at::Tensor gate_up = at::_scaled_grouped_mm(x8, fp8_codes(w13_fp8).transpose(1, 2), x_scale, w13_fp8_scale,
-                                              offsets, c10::nullopt, c10::nullopt, at::kBFloat16, fast_accum);
+  at::Tensor w13_t = fp8_codes(w13_fp8).transpose(1, 2), w13_s = w13_fp8_scale.contiguous();
+  at::Tensor w2_t = fp8_codes(w2_fp8).transpose(1, 2), w2_s = w2_fp8_scale.contiguous();
+  const at::Tensor& groups = split ? split_offsets : offsets;
+  if (split) {
+    w13_t = with_empty_groups(w13_t);
+    w13_s = with_empty_groups(w13_s);
+    w2_t = with_empty_groups(w2_t);
+    w2_s = with_empty_groups(w2_s);
+  }
+  at::Tensor gate_up = at::_scaled_grouped_mm(x8, w13_t, x_scale, w13_s, groups, c10::nullopt, c10::nullopt,
+                                              at::kBFloat16, fast_accum);
   at::Tensor act = at::empty({pairs, inter}, f8), act_scale = at::empty({pairs}, f32);
   nvfp4::moe::Fp8MoeActArgs aa{};
   aa.gate_up = gate_up.data_ptr();
@@ -117,8 +144,8 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   aa.act_fp8 = reinterpret_cast<uint8_t*>(act.data_ptr());
   aa.act_scale = act_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_act_cuda(aa, stream));
-  at::Tensor y = at::_scaled_grouped_mm(act, fp8_codes(w2_fp8).transpose(1, 2), act_scale, w2_fp8_scale, offsets,
-                                        c10::nullopt, c10::nullopt, at::kBFloat16, fast_accum);
+  at::Tensor y = at::_scaled_grouped_mm(act, w2_t, act_scale, w2_s, groups, c10::nullopt, c10::nullopt,
+                                        at::kBFloat16, fast_accum);
   at::Tensor out = at::empty({m, h}, x.options());
   nvfp4::moe::Fp8MoeCombineArgs ca{};
   ca.y = y.data_ptr();

@@ -95,6 +95,8 @@ struct Fp8MoeSortArgs {
   int32_t* counts;             // [E] scratch
   int32_t* cursor;             // [E] scratch
   int32_t* offsets;            // [E] out: end of each expert's rows (inclusive prefix sum of the counts)
+  int32_t* split_offsets;      // [2E - 1] out, or null: the ends of `offsets` with an empty group after
+                               // each expert's but the last (group 2e is expert e's rows)
   int32_t* pair_row;           // [M, k] out: the row of each pair, -1 for an id outside [0, E)
   uint8_t* x_fp8;              // [M k, H] out: E4M3 codes (rows past offsets[E-1] unwritten)
   float* x_scale;              // [M k] out: row scales

@@ -34,11 +34,14 @@ __global__ void __launch_bounds__(kThreads) count_kernel(const int32_t* __restri
   }
 }
 
-// One CTA: offsets = inclusive prefix sum of counts, cursor = exclusive.
-// Thread t sums a contiguous chunk of experts, the CTA scans the chunk sums.
+// One CTA: offsets = inclusive prefix sum of counts, cursor = exclusive;
+// split_offsets (if given) the same ends with an empty group after each
+// expert's but the last. Thread t sums a contiguous chunk of experts, the
+// CTA scans the chunk sums.
 __global__ void __launch_bounds__(kScanThreads) offsets_kernel(const int32_t* __restrict__ counts, int64_t e,
                                                                int32_t* __restrict__ offsets,
-                                                               int32_t* __restrict__ cursor) {
+                                                               int32_t* __restrict__ cursor,
+                                                               int32_t* __restrict__ split_offsets) {
   __shared__ int32_t sums[kScanThreads];
   const int64_t chunk = (e + kScanThreads - 1) / kScanThreads;
   const int64_t begin = threadIdx.x * chunk, end = begin + chunk < e ? begin + chunk : e;
@@ -57,6 +60,10 @@ __global__ void __launch_bounds__(kScanThreads) offsets_kernel(const int32_t* __
     cursor[i] = run;
     run += counts[i];
     offsets[i] = run;
+    if (split_offsets != nullptr) {
+      split_offsets[2 * i] = run;
+      if (i + 1 < e) split_offsets[2 * i + 1] = run;
+    }
   }
 }
 
@@ -188,7 +195,7 @@ cudaError_t fp8_moe_sort_cuda(const Fp8MoeSortArgs& a, cudaStream_t stream) {
   const unsigned count_blocks = unsigned(cuda::ceil_div(pairs, kThreads) < 1024 ? cuda::ceil_div(pairs, kThreads) : 1024);
   count_kernel<<<count_blocks, kThreads, 0, stream>>>(a.topk_ids, pairs, a.e, a.counts);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.counts, a.e, a.offsets, a.cursor);
+  offsets_kernel<<<1, kScanThreads, 0, stream>>>(a.counts, a.e, a.offsets, a.cursor, a.split_offsets);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   if (a.k > kMaxFp8Slots) return cudaErrorInvalidValue;
   if (a.dtype == DType::kBFloat16)
