@@ -163,6 +163,32 @@ def test_cuda_fp8_mode_matches_cpu(dtype, n, k):
         assert torch.equal(lowbit.nvfp4_linear(*args, fp8_min_rows=m + 1), lowbit.nvfp4_linear(*args))
 
 
+@cuda
+@pytest.mark.parametrize("m", [128, 256, 300])
+def test_cuda_fp8_mode_without_a_fast_accumulation_algorithm(m):
+    # From 128 rows the FP8 GEMM asks cuBLASLt for fast accumulation; for
+    # N = 256, K = 7168 with a bias it has none at these row counts
+    # (CUBLAS_STATUS_NOT_SUPPORTED, measured on an H200 with torch 2.11), and
+    # the op runs the exact form instead: the same result as the CPU kernel.
+    n, k = 256, 7168
+    gen = torch.Generator().manual_seed(m)
+    _, q, deq, pw, ps, g = make_weight(n, k, gen)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    want = lowbit.nvfp4_linear(x, pw, ps, g, b, fp8_min_rows=1)
+    args = (x.cuda(), pw.cuda(), ps.cuda(), g.cuda(), b.cuda())
+    y = lowbit.nvfp4_linear(*args, fp8_min_rows=1)
+    assert rel_err(y.cpu(), want) <= 4e-3
+    assert rel_err(y.cpu(), reference(x, deq, b)) <= FP8_MODE_TOL
+    assert torch.equal(y, lowbit.nvfp4_linear(*args, fp8_min_rows=1))
+    graph = torch.cuda.CUDAGraph()  # the refused query inside a capture leaves it valid
+    with torch.cuda.graph(graph):
+        y_graph = lowbit.nvfp4_linear(*args, fp8_min_rows=1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, y)
+
+
 # (op, arguments): one dtype the CUDA kernels reject per argument. The Meta
 # kernels (fake tensors, device="meta") reject the same, with the same words.
 def bad_dtype_calls():
