@@ -96,10 +96,12 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   // tokens, 143 rows per group with the shared expert: 1.24x BF16 on an H200
   // with them, 1.80x with exact accumulation; docs/perf/log/moe.md, "MoE
   // v14"), so there an empty group follows each expert's, which keeps the
-  // 64-row tiles, and fast accumulation is taken wherever those run.
+  // 64-row tiles, and fast accumulation is taken wherever those run. The
+  // GEMM takes fewer than 1024 groups (check_moe_fp8 holds E to that), so
+  // the split needs E <= 512.
   const int64_t n13 = w13_fp8.size(1);
-  const bool split = e > 1 && pairs / e > 128 && pairs / (2 * e - 1) <= 128 && (n13 * h) % 32 == 0 &&
-                     (h * inter) % 32 == 0 && n13 % 2 == 0 && h % 2 == 0;
+  const bool split = e > 1 && 2 * e - 1 < 1024 && pairs / e > 128 && pairs / (2 * e - 1) <= 128 &&
+                     (n13 * h) % 32 == 0 && (h * inter) % 32 == 0 && n13 % 2 == 0 && h % 2 == 0;
   const bool fast_accum = pairs / e <= 128 || split;
   at::Tensor scratch = at::empty({2 * e}, i32), offsets = at::empty({e}, i32), pair_row = at::empty({m, k}, i32);
   at::Tensor split_offsets = split ? at::empty({2 * e - 1}, i32) : at::Tensor();

@@ -171,7 +171,8 @@ def test_cuda_fp8_form_matches_cpu_bit_for_bit():
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,H,I,E,k", [(1, 256, 128, 8, 2), (37, 1024, 512, 64, 6), (300, 2048, 1024, 32, 8),
-                                       (1024, 7168, 256, 16, 8), (64, 144, 48, 4, 3), (600, 1024, 256, 16, 5)])
+                                       (1024, 7168, 256, 16, 8), (64, 144, 48, 4, 3), (600, 1024, 256, 16, 5),
+                                       (10000, 256, 64, 600, 8)])
 def test_cuda_matches_cpu(M, H, I, E, k, dtype):
     gen = torch.Generator().manual_seed(seed_of("fp8 cuda", M, H, I, E, k, str(dtype)))
     exp = Experts(E, H, I, gen)
