@@ -72,6 +72,48 @@ def test_decode_plot_goes_beside_the_json(monkeypatch, tmp_path):
     assert seen["out_dir"] == str(tmp_path)
 
 
+def test_profile_lists_the_ops_of_a_step():
+    # --profile's table: the GEMM-like ops of a step with their input shapes
+    # and time per step, largest first; lowbit's ops among them.
+    import lowbit
+    from lowbit.nn import Nvfp4Linear
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(256, 128, bias=False)
+    quant = Nvfp4Linear.from_linear(torch.nn.Linear(128, 64, bias=False))
+    x = torch.randn(4, 256)
+    total, ops = bench_model.profile_ops(lambda: quant(dense(x)), "cpu", steps=2)
+    names = [r["op"] for r in ops]
+    assert "lowbit::nvfp4_linear" in names and any(n in names for n in ("aten::mm", "aten::addmm")), ops
+    assert total > 0 and all(r["us"] > 0 and r["calls"] >= 1 for r in ops)
+    assert [r["us"] for r in ops] == sorted((r["us"] for r in ops), reverse=True)
+    linear = ops[names.index("lowbit::nvfp4_linear")]
+    assert linear["calls"] == 1 and "[4, 128]" in linear["shapes"], linear
+    assert str(list(quant.weight.shape)) in linear["shapes"], linear
+    text = bench_model.format_profile("toy step", total, ops)
+    assert text.splitlines()[0].startswith("## profile: toy step:") and "lowbit::nvfp4_linear" in text
+    assert lowbit.nvfp4_linear  # the op the table names is lowbit's public one
+
+
+def test_profile_flag_reaches_the_suite(monkeypatch, capsys):
+    from lowbit.bench import __main__ as bench_main
+
+    seen = {}
+
+    def fake_run(hw, quick, out_dir=".", profile=False):
+        seen["profile"] = profile
+        return [], bench_model.COLUMNS
+
+    monkeypatch.setattr(bench_model, "run", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_main, "measure_hardware",
+                        lambda: Hardware("fake", 132, 50 * 2**20, 3e12, 7e14, 1.4e15))
+    assert bench_main.main(["model", "--quick", "--profile"]) == 0 and seen["profile"] is True
+    with pytest.raises(SystemExit):  # a suite without a profile says so
+        bench_main.main(["quant", "--profile"])
+    assert "--profile: suite 'quant' has no profile" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_decode_steps_compile():
     # The GPU run compiles the decode steps (Inductor); here the same tracing

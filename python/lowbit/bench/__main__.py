@@ -1,11 +1,12 @@
-"""python -m lowbit.bench <suite> [--json PATH] [--quick] [--shapes M,K,N;...]
+"""python -m lowbit.bench <suite> [--json PATH] [--quick] [--shapes M,K,N;...] [--profile]
 
 Each suite is a module lowbit.bench.<suite> with
 ``run(hw: Hardware, quick: bool) -> (rows, columns)``; the table is printed
 and the rows, with the measured hardware, written as JSON. ``--shapes``
 (suites whose run takes ``shapes``: fp8_train, (M, K, N) each; moe, token
 counts M) measures those shapes instead of the suite's own, e.g. half of
-them per run. Files a suite writes beside the table (bench model's plot)
+them per run. ``--profile`` (suites whose run takes ``profile``: model)
+also prints where each measured step's time goes, by op. Files a suite writes beside the table (bench model's plot)
 go to the --json file's folder.
 """
 
@@ -36,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write rows and measured hardware to this file")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for smoke runs")
     parser.add_argument("--shapes", help="semicolon-separated comma-separated sizes, e.g. '16384,4096,14336;2048,4096,4096'")
+    parser.add_argument("--profile", action="store_true", help="also print each step's time by op (suite model)")
     args = parser.parse_args(argv)
     suite = importlib.import_module(f"lowbit.bench.{args.suite}")
     kwargs = {}
+    if args.profile:
+        if "profile" not in inspect.signature(suite.run).parameters:
+            parser.error(f"--profile: suite {args.suite!r} has no profile")
+        kwargs["profile"] = True
     if args.shapes:
         if "shapes" not in inspect.signature(suite.run).parameters:
             parser.error(f"--shapes: suite {args.suite!r} has no shape selection")

@@ -15,6 +15,14 @@ runs in BF16 and after ``lowbit.quantize_`` with ``compute="w4a16"`` and
   captured runs eagerly, and says so);
 - prefill of 2048 and 8192 tokens (one sequence, no cache), eagerly.
 
+With ``--profile`` each decode step is also run under torch.profiler and
+its GEMM-like ops (lowbit's ops, torch's matmuls and grouped / scaled GEMMs,
+the attention) are printed by device time per step and input shape, below
+the table: where a step's time goes, e.g. transformers' DeepseekV3
+attention expanding its whole latent cache through ``kv_b_proj`` every
+step. An op's time includes the ops it calls (lowbit's FP8 paths call
+``aten::_scaled_mm``, listed too).
+
 The decode plot (speedup against batch, PNG) goes beside the --json file
 where matplotlib is installed; elsewhere ``python -m lowbit.bench.model
 --plot RESULTS.json`` makes it from the saved rows.
@@ -218,10 +226,54 @@ def _time(fn, device, use_graph: bool, samples: int = 10, reps: int = 3) -> tupl
     return statistics.median(times), note
 
 
+# Ops --profile lists (name prefixes): lowbit's, and torch's GEMMs and attention.
+PROFILED_OPS = ("lowbit::", "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::_scaled_mm",
+                "aten::_scaled_grouped_mm", "aten::_scaled_dot_product")
+
+
+def profile_ops(fn, device, steps: int = 3, top: int = 16) -> tuple[float, list[dict]]:
+    """``fn`` (one step) under torch.profiler: (the step's kernel time in us,
+    on the CPU its ops' time; the PROFILED_OPS by time per step and input
+    shape, the ``top`` largest, each {op, shapes, us, calls} per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        fn()  # warm: nothing compiles or allocates for the first time inside the profile
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities, record_shapes=True, acc_events=True) as prof:
+            for _ in range(steps):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+    events = prof.key_averages(group_by_input_shape=True)
+    if cuda:
+        total = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        time_of = lambda e: e.device_time_total  # noqa: E731
+    else:
+        total = sum(e.self_cpu_time_total for e in events)
+        time_of = lambda e: e.cpu_time_total  # noqa: E731
+    ops = [{"op": e.key, "shapes": str(e.input_shapes), "us": time_of(e) / steps, "calls": e.count / steps}
+           for e in events if e.key.startswith(PROFILED_OPS)]
+    ops.sort(key=lambda r: -r["us"])
+    return total / steps, ops[:top]
+
+
+def format_profile(label: str, total_us: float, ops: list[dict]) -> str:
+    lines = [f"## profile: {label}: {total_us:.1f} us per step (GPU: kernel time; CPU: op time), its top ops "
+             "(an op's time includes the ops it calls)"]
+    lines += [f"  {r['us']:9.1f} us  x{r['calls']:4.1f}  {r['op'][:36]:36s} {r['shapes'][:120]}" for r in ops]
+    return "\n".join(lines)
+
+
 def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, prefills=PREFILLS,
-                   small: bool = False, samples: int = 10, compile_backend: str | None = None) -> list[dict]:
+                   small: bool = False, samples: int = 10, compile_backend: str | None = None,
+                   profile: bool = False) -> list[dict]:
     """Every row of one family (module docstring); ``compile_backend``: the
-    decode steps compiled on that torch.compile backend (None: eager)."""
+    decode steps compiled on that torch.compile backend (None: eager);
+    ``profile``: each decode step's ops printed (profile_ops)."""
     import lowbit
     from lowbit.nn import Nvfp4Linear, Nvfp4MoE
     from lowbit.quantize import nvfp4_round_trip_
@@ -243,6 +295,8 @@ def measure_family(hw: Hardware | None, family: str, device, batches=BATCHES, pr
             t, note = _time(step, device, use_graph, samples)
             times[provider, "decode", b] = t
             notes[provider, "decode", b] = "; ".join(n for n in (step_note, note) if n)
+            if profile:
+                print(format_profile(f"{family} decode batch {b} {provider}", *profile_ops(step, device)), flush=True)
         for n in prefills:
             ids = prompt[:, :n]
             t, _ = _time(lambda ids=ids: model(input_ids=ids, use_cache=False).logits, device, False,
@@ -323,15 +377,17 @@ def plot(rows: list[dict], path: str) -> str | None:
     return path
 
 
-def run(hw: Hardware, quick: bool, out_dir: str = "."):
+def run(hw: Hardware, quick: bool, out_dir: str = ".", profile: bool = False):
     """The suite; ``quick``: the V3 stack, batches 1 and 64, prefill 2048.
-    The decode plot goes to ``out_dir`` (the --json file's folder)."""
+    The decode plot goes to ``out_dir`` (the --json file's folder);
+    ``profile``: each decode step's ops printed as it is measured."""
     rows = []
     families = ("v3",) if quick else FAMILIES
     for family in families:
         try:
             rows += measure_family(hw, family, "cuda", batches=(1, 64) if quick else BATCHES,
-                                   prefills=(2048,) if quick else PREFILLS, compile_backend="inductor")
+                                   prefills=(2048,) if quick else PREFILLS, compile_backend="inductor",
+                                   profile=profile)
         except Exception as e:  # one family failing leaves the other's rows
             rows.append({"model": family, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
         torch.cuda.empty_cache()
