@@ -67,11 +67,18 @@ at::Tensor moe_cuda_planned(const at::Tensor& x, const at::Tensor& topk_weights,
 
 // [E, ...] -> [2E - 1, ...] with group 2i = expert i; the odd groups alias
 // half-way between two experts and get no rows (split_offsets, nvfp4_moe.h).
+// Needs an even stride(0) (split_keeps_alignment for the GEMM's 16 bytes).
 at::Tensor with_empty_groups(const at::Tensor& t) {
   std::vector<int64_t> sizes = t.sizes().vec(), strides = t.strides().vec();
   sizes[0] = 2 * sizes[0] - 1;
   strides[0] /= 2;
   return t.as_strided(sizes, strides);
+}
+
+// Whether with_empty_groups(t) keeps every expert's group start 16-byte
+// aligned, as torch's grouped GEMM needs (its TMA copies).
+bool split_keeps_alignment(const at::Tensor& t) {
+  return (t.stride(0) * static_cast<int64_t>(t.element_size())) % 32 == 0;
 }
 
 // The FP8 path on checked inputs (M > 0). Each expert's rows form one group
@@ -99,9 +106,12 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   // 64-row tiles, and fast accumulation is taken wherever those run. The
   // GEMM takes fewer than 1024 groups (check_moe_fp8 holds E to that), so
   // the split needs E <= 512.
-  const int64_t n13 = w13_fp8.size(1);
+  // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
+  at::Tensor w13_t = fp8_codes(w13_fp8).transpose(1, 2), w13_s = w13_fp8_scale;
+  at::Tensor w2_t = fp8_codes(w2_fp8).transpose(1, 2), w2_s = w2_fp8_scale;
   const bool split = e > 1 && 2 * e - 1 < 1024 && pairs / e > 128 && pairs / (2 * e - 1) <= 128 &&
-                     (n13 * h) % 32 == 0 && (h * inter) % 32 == 0 && n13 % 2 == 0 && h % 2 == 0;
+                     split_keeps_alignment(w13_t) && split_keeps_alignment(w2_t) && w13_s.stride(0) % 2 == 0 &&
+                     w2_s.stride(0) % 2 == 0;
   const bool fast_accum = pairs / e <= 128 || split;
   at::Tensor scratch = at::empty({2 * e}, i32), offsets = at::empty({e}, i32), pair_row = at::empty({m, k}, i32);
   at::Tensor split_offsets = split ? at::empty({2 * e - 1}, i32) : at::Tensor();
@@ -122,9 +132,6 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   sa.x_fp8 = reinterpret_cast<uint8_t*>(x8.data_ptr());
   sa.x_scale = x_scale.data_ptr<float>();
   C10_CUDA_CHECK(nvfp4::moe::fp8_moe_sort_cuda(sa, stream));
-  // mat2 column-major [E, K, N]: the [E, N, K] codes transposed.
-  at::Tensor w13_t = fp8_codes(w13_fp8).transpose(1, 2), w13_s = w13_fp8_scale.contiguous();
-  at::Tensor w2_t = fp8_codes(w2_fp8).transpose(1, 2), w2_s = w2_fp8_scale.contiguous();
   const at::Tensor& groups = split ? split_offsets : offsets;
   if (split) {
     w13_t = with_empty_groups(w13_t);
