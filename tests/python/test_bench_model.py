@@ -53,29 +53,34 @@ def test_rows_on_the_cpu(family):
     assert barred == ([("decode", 1, "lowbit:auto")] if family == "v3" else [])
 
 
-def test_decode_plot_goes_beside_the_json(monkeypatch, tmp_path):
-    # python -m lowbit.bench model --json DIR/x.json writes its plot into DIR
-    # (a GPU machine returns only what is under one folder).
+def run_main_with_a_fake_suite(monkeypatch, argv):
+    """python -m lowbit.bench with argv, bench model's run replaced by one
+    that records the keyword arguments it gets; returns (rc, those)."""
     from lowbit.bench import __main__ as bench_main
 
     seen = {}
 
-    def fake_run(hw, quick, out_dir="."):
-        seen["out_dir"] = out_dir
+    def fake_run(hw, quick, out_dir=".", profile=False):
+        seen.update(out_dir=out_dir, profile=profile)
         return [], bench_model.COLUMNS
 
     monkeypatch.setattr(bench_model, "run", fake_run)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_main, "measure_hardware",
                         lambda: Hardware("fake", 132, 50 * 2**20, 3e12, 7e14, 1.4e15))
-    assert bench_main.main(["model", "--quick", "--json", str(tmp_path / "rows.json")]) == 0
-    assert seen["out_dir"] == str(tmp_path)
+    return bench_main.main(argv), seen
+
+
+def test_decode_plot_goes_beside_the_json(monkeypatch, tmp_path):
+    # python -m lowbit.bench model --json DIR/x.json writes its plot into DIR
+    # (a GPU machine returns only what is under one folder).
+    rc, seen = run_main_with_a_fake_suite(monkeypatch, ["model", "--quick", "--json", str(tmp_path / "rows.json")])
+    assert rc == 0 and seen["out_dir"] == str(tmp_path)
 
 
 def test_profile_lists_the_ops_of_a_step():
     # --profile's table: the GEMM-like ops of a step with their input shapes
     # and time per step, largest first; lowbit's ops among them.
-    import lowbit
     from lowbit.nn import Nvfp4Linear
 
     torch.manual_seed(0)
@@ -92,25 +97,13 @@ def test_profile_lists_the_ops_of_a_step():
     assert str(list(quant.weight.shape)) in linear["shapes"], linear
     text = bench_model.format_profile("toy step", total, ops)
     assert text.splitlines()[0].startswith("## profile: toy step:") and "lowbit::nvfp4_linear" in text
-    assert lowbit.nvfp4_linear  # the op the table names is lowbit's public one
 
 
 def test_profile_flag_reaches_the_suite(monkeypatch, capsys):
-    from lowbit.bench import __main__ as bench_main
-
-    seen = {}
-
-    def fake_run(hw, quick, out_dir=".", profile=False):
-        seen["profile"] = profile
-        return [], bench_model.COLUMNS
-
-    monkeypatch.setattr(bench_model, "run", fake_run)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench_main, "measure_hardware",
-                        lambda: Hardware("fake", 132, 50 * 2**20, 3e12, 7e14, 1.4e15))
-    assert bench_main.main(["model", "--quick", "--profile"]) == 0 and seen["profile"] is True
+    rc, seen = run_main_with_a_fake_suite(monkeypatch, ["model", "--quick", "--profile"])
+    assert rc == 0 and seen["profile"] is True
     with pytest.raises(SystemExit):  # a suite without a profile says so
-        bench_main.main(["quant", "--profile"])
+        run_main_with_a_fake_suite(monkeypatch, ["quant", "--profile"])
     assert "--profile: suite 'quant' has no profile" in capsys.readouterr().err
 
 

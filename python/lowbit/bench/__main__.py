@@ -6,8 +6,9 @@ and the rows, with the measured hardware, written as JSON. ``--shapes``
 (suites whose run takes ``shapes``: fp8_train, (M, K, N) each; moe, token
 counts M) measures those shapes instead of the suite's own, e.g. half of
 them per run. ``--profile`` (suites whose run takes ``profile``: model)
-also prints where each measured step's time goes, by op. Files a suite writes beside the table (bench model's plot)
-go to the --json file's folder.
+also prints where each measured step's time goes, by op. Files a suite
+writes beside the table (bench model's plot) go to the --json file's
+folder.
 """
 
 from __future__ import annotations
