@@ -115,7 +115,15 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   const bool fast_accum = pairs / e <= 128 || split;
   at::Tensor scratch = at::empty({2 * e}, i32), offsets = at::empty({e}, i32), pair_row = at::empty({m, k}, i32);
   at::Tensor split_offsets = split ? at::empty({2 * e - 1}, i32) : at::Tensor();
-  at::Tensor x8 = at::empty({pairs, h}, f8), x_scale = at::empty({pairs}, f32);
+  // The row scales with a zeroed tail of kScaleTail: torch's grouped GEMM
+  // reads a whole row tile's scales for a group's last, partial tile (the
+  // rows past the group unstored), so past the last group's end it read up
+  // to a tile beyond the tensor (compute-sanitizer initcheck: reads of
+  // unwritten memory in that kernel). Rows past offsets[E-1] (pairs of no
+  // expert) are never written by the sort: zeroed too.
+  constexpr int64_t kScaleTail = 256;  // the largest row tile
+  at::Tensor x8 = at::empty({pairs, h}, f8);
+  at::Tensor x_scale = at::zeros({pairs + kScaleTail}, f32).narrow(0, 0, pairs);
   nvfp4::moe::Fp8MoeSortArgs sa{};
   sa.x = xc.data_ptr();
   sa.dtype = to_lowbit_dtype(x.scalar_type());
@@ -141,7 +149,8 @@ at::Tensor moe_fp8_cuda(const at::Tensor& x, const at::Tensor& topk_weights, con
   }
   at::Tensor gate_up = at::_scaled_grouped_mm(x8, w13_t, x_scale, w13_s, groups, c10::nullopt, c10::nullopt,
                                               at::kBFloat16, fast_accum);
-  at::Tensor act = at::empty({pairs, inter}, f8), act_scale = at::empty({pairs}, f32);
+  at::Tensor act = at::empty({pairs, inter}, f8);
+  at::Tensor act_scale = at::zeros({pairs + kScaleTail}, f32).narrow(0, 0, pairs);
   nvfp4::moe::Fp8MoeActArgs aa{};
   aa.gate_up = gate_up.data_ptr();
   aa.offsets = sa.offsets;
