@@ -6,7 +6,9 @@
 // fp8_gemm on CUDA:
 //   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
 //     multiples of 16 (cuBLASLt FP8: row-major a times column-major b, i.e.
-//     our b [N, K] row-major, passed as b.t()).
+//     our b [N, K] row-major, passed as b.t()); row x row E4M3 with a
+//     bfloat16 / float16 output of few tiles: lowbit's split-K GEMM
+//     (fp8_split_gemm_cuda.h).
 //   block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128 by
 //     1 x 128): at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
 //     12.9, compute capability 9.0 only), with its scale layouts: a's scales
@@ -41,6 +43,7 @@
 #include "checks.h"
 #include "cuda_checks.h"
 #include "fp8_ops.h"
+#include "fp8_split_gemm_cuda.h"
 #include "lowbit/fp8/fp8_block_gemm.h"
 
 namespace lowbit::ops::fp8ops {
@@ -144,6 +147,10 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
       if (c10::optional<at::Tensor> y = own_block_gemm(a, scale_a, b, scale_b, sb, bias, out_dtype)) return *y;
     }
     return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
+  }
+  if (sa == Scaling::kRow && sb == Scaling::kRow) {
+    // Outputs of few tiles: lowbit's split-K GEMM (csrc/lowbit/fp8/fp8_split_gemm.h).
+    if (c10::optional<at::Tensor> y = split_row_gemm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)) return *y;
   }
   const int64_t m = a.size(0), n = b.size(0);
   at::Tensor sa_mm, sb_mm;

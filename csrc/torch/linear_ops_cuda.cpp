@@ -17,6 +17,7 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
+#include "fp8_split_gemm_cuda.h"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "linear_ops.h"
 
@@ -138,9 +139,14 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   }
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
+  const at::Tensor w8c = w8.contiguous();
+  // Outputs of few tiles (narrow W, 128-1024 rows): lowbit's split-K GEMM.
+  if (c10::optional<at::Tensor> y = split_row_gemm(x8, x_scale, w8c, w_scale, b, x2.scalar_type(),
+                                                   m >= kFp8FastAccumMinRows))
+    return y->view(out_shape);
   // _scaled_mm takes row-major A and column-major B: W's codes [N, K]
   // row-major are B^T; the scales [M, 1] and [1, N].
-  const at::Tensor b_t = w8.contiguous().t(), sa = x_scale.view({m, 1});
+  const at::Tensor b_t = w8c.t(), sa = x_scale.view({m, 1});
   const at::Tensor sb = w_scale.contiguous().view({1, w8.size(0)});
   auto gemm = [&](bool fast_accum) {
     return at::_scaled_mm(x8, b_t, sa, sb, b, c10::nullopt, x2.scalar_type(), fast_accum).view(out_shape);

@@ -351,6 +351,19 @@ def add_linear_cases(b: Builder):
     w8 = lowbit.nvfp4_to_fp8(w.pw, w.ps, w.g, k)
     b.add("nvfp4_linear", f"nvfp4_linear [FP8 mode, cached weight] M=64 {n}x{k} bf16",
           lambda: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, None, 1, *w8),), _linear_check(w, x, None, 1, 6e-2))
+    # The FP8 path at up to a few hundred rows on a narrow weight with a long
+    # K: lowbit's split-K FP8 GEMM instead of cuBLASLt (no "FP8 mode" in the
+    # name: every sanitizer runs it); a bias.
+    # (Names of its own: the cases above read w and x when they run.)
+    sn, sk, sm = (384, 3072, 200) if b.small else (1536, 4096, 256)
+    sw = LinearWeight(b, sn, sk)
+    g = b.gen("split x")
+    sx = b.randn(sm, sk, gen=g, dtype=torch.bfloat16)
+    sbias = b.randn(sn, gen=g, dtype=torch.bfloat16, std=0.1)
+    sw8 = lowbit.nvfp4_to_fp8(sw.pw, sw.ps, sw.g, sk)
+    b.add("nvfp4_linear", f"nvfp4_linear [split-K FP8 GEMM, cached weight] M={sm} {sn}x{sk} bf16",
+          lambda: (lowbit.nvfp4_linear(sx, sw.pw, sw.ps, sw.g, sbias, 1, *sw8),),
+          _linear_check(sw, sx, sbias, 1, 6e-2))
 
 
 def add_grouped_linear_cases(b: Builder):
@@ -708,8 +721,9 @@ def add_fp8_cases(b: Builder):
     g = b.gen("fp8 gemm")
     a_hp = b.randn(gm, gk, gen=g, dtype=torch.bfloat16)
     w_hp = b.randn(gn, gk, gen=g, dtype=torch.bfloat16, std=gk**-0.5)
-    # bfloat16 outputs run cuBLASLt; float32 ones with block scales lowbit's
-    # block-scaled kernel (2-CTA clusters, multicast copies)
+    # bfloat16 outputs run cuBLASLt (row x row with an output of few tiles
+    # and a long K: lowbit's split-K kernel, below); float32 ones with block
+    # scales lowbit's block-scaled kernel (2-CTA clusters, multicast copies)
     gemm_cases = [(sa, sb, None, "cuBLASLt") for sa, sb in
                   (("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d"))]
     gemm_cases += [("block", sb, torch.float32, "float32 out, lowbit's block kernel") for sb in ("block", "block2d")]
@@ -724,6 +738,24 @@ def add_fp8_cases(b: Builder):
 
         b.add("fp8_gemm", f"fp8_gemm {sa} x {sb} ({path}) M={gm} N={gn} K={gk}",
               lambda operands=operands: (lowbit.fp8_gemm(*operands),), check_gemm)
+
+    # Row x row E4M3 of few output tiles: lowbit's split-K kernel (K split
+    # over a cluster, partials added through distributed shared memory);
+    # partial row and column tiles (and K at the small sizes), a bias.
+    sm, sn, sk = (200, 272, 3088) if b.small else (300, 1040, 4096)
+    g = b.gen("fp8 split gemm")
+    qa = lowbit.fp8_cast(b.randn(sm, sk, gen=g, dtype=torch.bfloat16), "row")
+    qb = lowbit.fp8_cast(b.randn(sn, sk, gen=g, dtype=torch.bfloat16, std=sk**-0.5), "row")
+    split_bias = b.randn(sn, gen=g, dtype=torch.bfloat16, std=0.1)
+    split_operands = (qa.data, qa.scale, qb.data, qb.scale, "row", "row", split_bias, torch.bfloat16)
+
+    def check_split(out):
+        want = lowbit.fp8_gemm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in split_operands])
+        err = rel_err(out[0], want)
+        return None if err < FP8_TOL else f"rel err {err:.2e} vs the CPU op"
+
+    b.add("fp8_gemm", f"fp8_gemm row x row (lowbit's split-K kernel) M={sm} N={sn} K={sk}",
+          lambda: (lowbit.fp8_gemm(*split_operands),), check_split)
 
     lm, ln, lk = (256, 384, 512) if b.small else (2048, 1536, 1024)
     g = b.gen("fp8 linear")

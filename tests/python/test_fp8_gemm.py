@@ -186,3 +186,73 @@ def test_cuda_block_kernel_on_views_and_nan(pair):
     sa_nan[5, 1] = float("nan")
     y = lowbit.fp8_gemm(a, sa_nan, b, sb, *pair, None, torch.float32)
     assert y[5].isnan().all() and not y[:5].isnan().any() and not y[6:].isnan().any()
+
+
+def _kernel_names(fn) -> set:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+SPLIT_KERNEL = "split_gemm_kernel"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+# Row x row E4M3 outputs of few 128 x 192 tiles and long K, which lowbit's
+# split-K kernel (fp8_split_gemm.h) takes instead of cuBLASLt (six to
+# eight splits of at least four 128-wide K-blocks, on 132 SMs): one tile
+# with K split 8 ways and more K-blocks per CTA than pipeline stages (1 x
+# 16 x 8192: the stages' phases wrap); partial row, column and K tiles and
+# K-blocks split unevenly 6 ways (200 x 1040 x 3088: the last K-block 16
+# wide); a last row tile of 44 rows shared by 8 CTAs (300 x 272 x 4096);
+# the Linear bench's narrow weight at 256 rows (256 x 1536 x 4096).
+@pytest.mark.parametrize("mnk", [(1, 16, 8192), (200, 1040, 3088), (300, 272, 4096), (256, 1536, 4096)])
+def test_cuda_split_kernel_matches_float64(out_dtype, mnk):
+    a, sa, b, sb = operands(*mnk, ("row", "row"), key=("cuda-split",))
+    bias = torch.randn(mnk[1], generator=seeded("cuda-split-bias", mnk)).to(out_dtype)
+    assert SPLIT_KERNEL in " ".join(_kernel_names(
+        lambda: lowbit.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), "row", "row", None, out_dtype)))
+    for fast_accum in (False, True):
+        check(a, sa, b, sb, ("row", "row"), device="cuda", out_dtype=out_dtype, fast_accum=fast_accum)
+        y_bias = check(a, sa, b, sb, ("row", "row"), bias=bias, device="cuda", out_dtype=out_dtype,
+                       fast_accum=fast_accum)
+        # deterministic: the partials are added in a fixed order
+        again = lowbit.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), "row", "row", bias.cuda(), out_dtype,
+                                fast_accum)
+        assert torch.equal(y_bias, again)
+
+
+@pytest.mark.cuda
+def test_cuda_split_kernel_only_for_few_tiles():
+    """An output of many tiles stays on cuBLASLt (its kernel fills the GPU
+    alone); the same operands cut to few rows take the split kernel."""
+    a, sa, b, sb = (t.cuda() for t in operands(4096, 2048, 4096, ("row", "row"), key=("cuda-split-many",)))
+    many = _kernel_names(lambda: lowbit.fp8_gemm(a, sa, b, sb, "row", "row"))
+    few = _kernel_names(lambda: lowbit.fp8_gemm(a[:128], sa[:128], b[:256], sb[:256], "row", "row"))
+    assert SPLIT_KERNEL not in " ".join(many)
+    assert SPLIT_KERNEL in " ".join(few)
+
+
+@pytest.mark.cuda
+def test_cuda_split_kernel_nan_rows_views_and_graphs():
+    """A NaN scale of one row of A makes exactly that output row NaN (the
+    cluster's reduction mixes no rows); row slices of larger tensors give the
+    bits of copies; a CUDA graph replays the same bits."""
+    a, sa, b, sb = (t.cuda() for t in operands(400, 528, 3072, ("row", "row"), key=("cuda-split-nan",)))
+    views = (a[144:], sa[144:], b[16:], sb[16:])
+    y = lowbit.fp8_gemm(*views, "row", "row")
+    assert SPLIT_KERNEL in " ".join(_kernel_names(lambda: lowbit.fp8_gemm(*views, "row", "row")))
+    assert torch.equal(y, lowbit.fp8_gemm(*(t.clone() for t in views), "row", "row"))
+    sa_nan = sa.clone()
+    sa_nan[5] = float("nan")
+    y = lowbit.fp8_gemm(a, sa_nan, b, sb, "row", "row")
+    assert y[5].isnan().all() and not y[:5].isnan().any() and not y[6:].isnan().any()
+    want = lowbit.fp8_gemm(a, sa, b, sb, "row", "row")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = lowbit.fp8_gemm(a, sa, b, sb, "row", "row")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, want)

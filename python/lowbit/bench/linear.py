@@ -35,7 +35,7 @@ QUICK_MS = [1, 4, 16, 64, 256, 4096]
 FP8_MODE_MS = 1024  # the per-call FP8 mode's rows from this M
 # The cached FP8 path from this M: below compute="auto"'s threshold too
 # (lowbit.nn.linear.AUTO_FP8_MIN_ROWS), to measure where it belongs.
-FP8_CACHED_MS = 128
+FP8_CACHED_MS = 32
 QUICK_SHAPES = [(4096, 4096), (7168, 18432), (2048, 7168), (4096, 1536)]
 
 
