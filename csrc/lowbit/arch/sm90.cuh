@@ -16,6 +16,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The kernel's dynamic shared memory as a T at the first 1024-byte boundary
+// (the 128-byte swizzle's 8-row groups start there); launch with
+// sizeof(T) + 1024 bytes.
+template <typename T> __device__ __forceinline__ T& smem_1024_aligned(uint8_t* smem_raw) {
+  return *reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+}
+
 // ---- mbarriers ----------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {

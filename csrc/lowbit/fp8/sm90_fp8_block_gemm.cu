@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                       const Problem p) {
   extern __shared__ uint8_t smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Smem& s = sm90::smem_1024_aligned<Smem>(smem_raw);
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = sm90::cluster_rank();
   const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;

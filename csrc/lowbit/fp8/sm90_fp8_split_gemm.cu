@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     split_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                       const Problem p) {
   extern __shared__ uint8_t smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Smem& s = sm90::smem_1024_aligned<Smem>(smem_raw);
   const int warpgroup = threadIdx.x / 128;
   const int rank = static_cast<int>(sm90::cluster_rank());
   const int tile = blockIdx.x / p.splits;
