@@ -15,7 +15,9 @@ and %floor_fp8 (its floor with the measured FP8 peak). From FP8_CACHED_MS
 rows, the FP8 path on W's E4M3 form made once (lowbit.nvfp4_to_fp8, what
 Nvfp4Linear's compute "auto" / "fp8" run; only x rounded per call):
 fp8w_us, x_bf16_fp8w and %floor_fp8w (floor bytes: x + the E4M3 weight,
-1 B/weight, + output).
+1 B/weight, + output). auto_us / x_bf16_auto: what an Nvfp4Linear with
+compute="auto" runs at that M (lowbit.nn.linear.auto_fp8_min_rows): the
+FP8 row from its threshold, W4A16 below; the number the bars read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 import lowbit
 from lowbit.bench.harness import Hardware, rotation_count, time_calls, time_calls_in_turns
+from lowbit.nn.linear import auto_fp8_min_rows
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 SHAPES = [
@@ -103,10 +106,22 @@ def run(hw: Hardware, quick: bool):
                 t = t_extra["fp8w"]
                 floor8w = hw.floor_s(n * k + m * k * 2 + m * n * 2, 2.0 * m * n * k, fp8=True)
                 rows[-1].update({"fp8w_us": t * 1e6, "x_bf16_fp8w": tb / t, "%floor_fp8w": 100 * floor8w / t})
+            add_auto_columns(rows[-1])
             del xs, x8
         del weights, w8, cached
         torch.cuda.empty_cache()
     columns = ["K", "N", "M", "wMB", "nvfp4_us", "bf16_us", "fp8_us", "x_bf16", "x_fp8", "TFLOP/s", "%bw",
                "floor_us", "%floor", "fp8mode_us", "x_bf16_fp8mode", "%floor_fp8", "fp8w_us", "x_bf16_fp8w",
-               "%floor_fp8w"]
+               "%floor_fp8w", "auto_us", "x_bf16_auto"]
     return rows, columns
+
+
+def add_auto_columns(row: dict) -> None:
+    """auto_us and x_bf16_auto of a row: its cached-FP8 time from the
+    layer's compute="auto" threshold, its W4A16 time below. Rows from the
+    threshold without a cached-FP8 time (not timed there) get neither."""
+    fp8 = row["M"] >= auto_fp8_min_rows(row["N"], row["K"])
+    if fp8 and "fp8w_us" not in row:
+        return
+    t = row["fp8w_us"] if fp8 else row["nvfp4_us"]
+    row.update({"auto_us": t, "x_bf16_auto": row["bf16_us"] / t})
