@@ -42,10 +42,11 @@ c10::optional<at::Tensor> split_row_gemm(const at::Tensor& a, const at::Tensor& 
                           fast_accum,
                           nullptr};
   c10::cuda::CUDAGuard guard(a.device());
-  if (fp8::split_gemm_splits(args) < kSplitGemmMinSplits) return c10::nullopt;
+  const int splits = fp8::split_gemm_splits(args);
+  if (splits < kSplitGemmMinSplits) return c10::nullopt;
   at::Tensor y = at::empty({args.m, args.n}, a.options().dtype(out_dtype));
   args.out = y.data_ptr();
-  C10_CUDA_CHECK(fp8::split_gemm_cuda(args, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(fp8::split_gemm_cuda(args, splits, c10::cuda::getCurrentCUDAStream()));
   return y;
 }
 

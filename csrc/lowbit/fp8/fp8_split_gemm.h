@@ -49,7 +49,9 @@ bool split_gemm_takes(const SplitGemmArgs& args);
 // sync).
 int split_gemm_splits(const SplitGemmArgs& args);
 
-cudaError_t split_gemm_cuda(const SplitGemmArgs& args, cudaStream_t stream);
+// Runs the GEMM with `splits` CTAs per tile (split_gemm_splits' answer,
+// which the caller has already asked for to decide whether to run it).
+cudaError_t split_gemm_cuda(const SplitGemmArgs& args, int splits, cudaStream_t stream);
 #endif
 
 }  // namespace lowbit::fp8

@@ -233,9 +233,10 @@ int split_gemm_splits(const SplitGemmArgs& a) {
   return static_cast<int>(splits);
 }
 
-cudaError_t split_gemm_cuda(const SplitGemmArgs& a, cudaStream_t stream) {
-  const int splits = split_gemm_splits(a);
-  if (splits == 0 || !aligned16(a.out)) return cudaErrorInvalidValue;
+cudaError_t split_gemm_cuda(const SplitGemmArgs& a, int splits, cudaStream_t stream) {
+  const int64_t kb = (a.k + kTileK - 1) / kTileK;
+  if (!split_gemm_takes(a) || !aligned16(a.out) || splits < 1 || splits > kMaxSplits || splits > kb)
+    return cudaErrorInvalidValue;
   CUtensorMap a_map, b_map;
   cudaError_t err = cuda::make_tensor_map(&a_map, a.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, a.m, a.k, a.k, kTileM, kTileK,
                                           CU_TENSOR_MAP_SWIZZLE_128B);
