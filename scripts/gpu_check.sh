@@ -16,6 +16,8 @@
 #                                                   racecheck and initcheck: one process per op family)
 #   SANITIZE_FAMILIES="fp8 quant"                   sanitize: only these op families (one process each)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
+#   SPREAD_GPUS=4 WORKERS=24 ...                   a machine of several GPUs: worker k runs on GPU k mod 4;
+#                                                   test_fp8_parallel.py's multi-GPU tests then run after, on all of them
 #   LOWBIT_TEST_WORLD=4 ...                         processes (GPUs) of test_fp8_parallel.py's multi-GPU tests (default 2)
 # With 8 workers the build and the whole suite take about 6 minutes on an
 # H100 machine (16 cores); tests.log ends with the slowest tests. The concurrency
@@ -31,6 +33,7 @@ export JOBS=${JOBS:-$(nproc)}
 export PYTHONUNBUFFERED=1
 MODE=${MODE:-tests}
 WORKERS=${WORKERS:-8}
+SPREAD_GPUS=${SPREAD_GPUS:-0}
 SUITES=${SUITES-}
 TESTS=${TESTS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -239,6 +242,9 @@ if [[ $WORKERS -gt 1 ]]; then
 fi
 export LOWBIT_CONCURRENCY_REPORT=$OUT/concurrency.md
 rm -f "$OUT/concurrency.md"
+# Workers spread over the GPUs each see one, so the multi-GPU tests skip in
+# this run; they run next, on all GPUs.
+[[ $SPREAD_GPUS -gt 1 && $WORKERS -gt 1 ]] && export LOWBIT_TEST_SPREAD_GPUS=$SPREAD_GPUS
 test_cmd="bash run.sh test $verbosity -p no:cacheprovider --durations=15 ${xdist[*]} $TESTS"
 # shellcheck disable=SC2086
 bash run.sh test $verbosity -p no:cacheprovider --durations=15 "${xdist[@]}" $TESTS >"$OUT/tests.log" 2>&1
@@ -254,6 +260,20 @@ if [[ $rc -ne 0 ]]; then
   failed=1
   failed_tests=$(grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -30)
   echo "$failed_tests"
+fi
+if [[ -n ${LOWBIT_TEST_SPREAD_GPUS:-} ]] && [[ -z $TESTS || $TESTS == *test_fp8_parallel* ]]; then
+  start=$(date +%s)
+  unset LOWBIT_TEST_SPREAD_GPUS
+  LOWBIT_TEST_WORLD=${LOWBIT_TEST_WORLD:-$SPREAD_GPUS} LOWBIT_OPS_LIBRARY="$LIB" \
+    PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m pytest -q -p no:cacheprovider \
+    tests/python/test_fp8_parallel.py -k cuda_nccl >"$OUT/tests_multi_gpu.log" 2>&1
+  rc=$?
+  last=$(grep -E ' in [0-9.]+s' "$OUT/tests_multi_gpu.log" | tail -1)
+  row "multi-GPU tests ($SPREAD_GPUS GPUs)" "rc=$rc: $last" $(( $(date +%s) - start ))
+  if [[ $rc -ne 0 ]]; then
+    failed=1
+    failed_tests+=$'\n'$(grep -E '^(FAILED|ERROR)' "$OUT/tests_multi_gpu.log" | head -10)
+  fi
 fi
 if [[ -s $OUT/concurrency.md ]]; then
   if grep -q '^no failures' "$OUT/concurrency.md"; then concurrency="passed ($(head -1 "$OUT/concurrency.md" | cut -c1-120)...)"

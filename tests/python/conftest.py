@@ -1,7 +1,17 @@
-import pytest
-import torch
+import os
 
-import lowbit
+# On a machine of several GPUs, scripts/gpu_check.sh (SPREAD_GPUS=n) spreads
+# pytest-xdist's workers over them: worker k sees only GPU k mod n. This must
+# be set before CUDA starts in the worker, hence before anything below.
+_SPREAD_GPUS = int(os.environ.get("LOWBIT_TEST_SPREAD_GPUS", "0") or 0)
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _SPREAD_GPUS > 1 and _XDIST_WORKER.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_XDIST_WORKER[2:]) % _SPREAD_GPUS)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import lowbit  # noqa: E402
 
 CUDA_AVAILABLE = torch.cuda.is_available() and lowbit.has_cuda_kernels()
 
