@@ -17,7 +17,7 @@
 
 #include "checks.h"
 #include "cuda_checks.h"
-#include "fp8_split_gemm_cuda.h"
+#include "fp8_row_gemm_cuda.h"
 #include "lowbit/linear/nvfp4_linear.h"
 #include "linear_ops.h"
 
@@ -110,8 +110,8 @@ constexpr int64_t kFp8FastAccumMinRows = 128;
 
 // The FP8 path: W's codes (cached, or made now) and x's (now) rounded per
 // row by lowbit's kernels, then cuBLASLt's FP8 GEMM with the row scales and
-// the bias in its epilogue (or, for outputs of few tiles, lowbit's split-K
-// GEMM); float32 x, which that GEMM does not output,
+// the bias in its epilogue (or, where faster, lowbit's own forms:
+// fp8_row_gemm_cuda.h); float32 x, which that GEMM does not output,
 // gets the same codes multiplied in FP32 (fp8_linear_reference).
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& weight_fp8,
@@ -141,9 +141,9 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
   const at::Tensor w8c = w8.contiguous();
-  // Outputs of few tiles with a long K: lowbit's split-K GEMM (fp8_split_gemm_cuda.h).
-  if (c10::optional<at::Tensor> y = split_row_gemm(x8, x_scale, w8c, w_scale, b, x2.scalar_type(),
-                                                   m >= kFp8FastAccumMinRows))
+  // lowbit's own forms where they beat cuBLASLt's row-scaled GEMM (fp8_row_gemm_cuda.h).
+  if (c10::optional<at::Tensor> y = own_row_gemm(x8, x_scale, w8c, w_scale, b, x2.scalar_type(),
+                                                 m >= kFp8FastAccumMinRows))
     return y->view(out_shape);
   // _scaled_mm takes row-major A and column-major B: W's codes [N, K]
   // row-major are B^T; the scales [M, 1] and [1, N].

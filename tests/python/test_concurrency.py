@@ -351,17 +351,19 @@ def add_linear_cases(b: Builder):
     w8 = lowbit.nvfp4_to_fp8(w.pw, w.ps, w.g, k)
     b.add("nvfp4_linear", f"nvfp4_linear [FP8 mode, cached weight] M=64 {n}x{k} bf16",
           lambda: (lowbit.nvfp4_linear(x, w.pw, w.ps, w.g, None, 1, *w8),), _linear_check(w, x, None, 1, 6e-2))
-    # The FP8 path at up to a few hundred rows on a narrow weight with a long
-    # K: lowbit's split-K FP8 GEMM instead of cuBLASLt (no "FP8 mode" in the
-    # name: every sanitizer runs it); a bias.
-    # (Names of its own: the cases above read w and x when they run.)
+    # The FP8 path at up to a few hundred rows on a narrow weight: an output
+    # small enough for cuBLASLt's unit-scale GEMM and lowbit's scaling pass
+    # instead of the row-scaled GEMM (fp8_row_gemm_cuda.h); a bias.
+    # ("cuBLAS" in the name: racecheck and initcheck skip it, as they do
+    # every case that runs cuBLAS. Names of its own: the cases above read w
+    # and x when they run.)
     sn, sk, sm = (384, 3072, 200) if b.small else (1536, 4096, 256)
     sw = LinearWeight(b, sn, sk)
-    g = b.gen("split x")
+    g = b.gen("unit-scale x")
     sx = b.randn(sm, sk, gen=g, dtype=torch.bfloat16)
     sbias = b.randn(sn, gen=g, dtype=torch.bfloat16, std=0.1)
     sw8 = lowbit.nvfp4_to_fp8(sw.pw, sw.ps, sw.g, sk)
-    b.add("nvfp4_linear", f"nvfp4_linear [split-K FP8 GEMM, cached weight] M={sm} {sn}x{sk} bf16",
+    b.add("nvfp4_linear", f"nvfp4_linear [FP8 path: unit-scale cuBLAS GEMM + scaling pass, cached weight] M={sm} {sn}x{sk} bf16",
           lambda: (lowbit.nvfp4_linear(sx, sw.pw, sw.ps, sw.g, sbias, 1, *sw8),),
           _linear_check(sw, sx, sbias, 1, 6e-2))
 
@@ -721,9 +723,10 @@ def add_fp8_cases(b: Builder):
     g = b.gen("fp8 gemm")
     a_hp = b.randn(gm, gk, gen=g, dtype=torch.bfloat16)
     w_hp = b.randn(gn, gk, gen=g, dtype=torch.bfloat16, std=gk**-0.5)
-    # bfloat16 outputs run cuBLASLt (row x row with an output of few tiles
-    # and a long K: lowbit's split-K kernel, below); float32 ones with block
-    # scales lowbit's block-scaled kernel (2-CTA clusters, multicast copies)
+    # bfloat16 outputs run cuBLASLt (row x row at the small sizes through its
+    # unit-scale GEMM and lowbit's scaling pass, as below); float32 ones with
+    # block scales lowbit's block-scaled kernel (2-CTA clusters, multicast
+    # copies)
     gemm_cases = [(sa, sb, None, "cuBLASLt") for sa, sb in
                   (("tensor", "tensor"), ("row", "row"), ("block", "block"), ("block", "block2d"))]
     gemm_cases += [("block", sb, torch.float32, "float32 out, lowbit's block kernel") for sb in ("block", "block2d")]
@@ -739,23 +742,23 @@ def add_fp8_cases(b: Builder):
         b.add("fp8_gemm", f"fp8_gemm {sa} x {sb} ({path}) M={gm} N={gn} K={gk}",
               lambda operands=operands: (lowbit.fp8_gemm(*operands),), check_gemm)
 
-    # Row x row E4M3 of few output tiles: lowbit's split-K kernel (K split
-    # over a cluster, partials added through distributed shared memory);
+    # Row x row E4M3 with an output small enough for cuBLASLt's unit-scale
+    # GEMM into FP32 and lowbit's scaling pass (fp8_row_gemm_cuda.h);
     # partial row and column tiles (and K at the small sizes), a bias.
     sm, sn, sk = (200, 272, 3088) if b.small else (300, 1040, 4096)
-    g = b.gen("fp8 split gemm")
+    g = b.gen("fp8 unit-scale gemm")
     qa = lowbit.fp8_cast(b.randn(sm, sk, gen=g, dtype=torch.bfloat16), "row")
     qb = lowbit.fp8_cast(b.randn(sn, sk, gen=g, dtype=torch.bfloat16, std=sk**-0.5), "row")
-    split_bias = b.randn(sn, gen=g, dtype=torch.bfloat16, std=0.1)
-    split_operands = (qa.data, qa.scale, qb.data, qb.scale, "row", "row", split_bias, torch.bfloat16)
+    unit_bias = b.randn(sn, gen=g, dtype=torch.bfloat16, std=0.1)
+    unit_operands = (qa.data, qa.scale, qb.data, qb.scale, "row", "row", unit_bias, torch.bfloat16)
 
-    def check_split(out):
-        want = lowbit.fp8_gemm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in split_operands])
+    def check_unit(out):
+        want = lowbit.fp8_gemm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in unit_operands])
         err = rel_err(out[0], want)
         return None if err < FP8_TOL else f"rel err {err:.2e} vs the CPU op"
 
-    b.add("fp8_gemm", f"fp8_gemm row x row (lowbit's split-K kernel) M={sm} N={sn} K={sk}",
-          lambda: (lowbit.fp8_gemm(*split_operands),), check_split)
+    b.add("fp8_gemm", f"fp8_gemm row x row (unit-scale cuBLASLt GEMM + scaling pass) M={sm} N={sn} K={sk}",
+          lambda: (lowbit.fp8_gemm(*unit_operands),), check_unit)
 
     lm, ln, lk = (256, 384, 512) if b.small else (2048, 1536, 1024)
     g = b.gen("fp8 linear")

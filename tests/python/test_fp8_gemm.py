@@ -195,55 +195,60 @@ def _kernel_names(fn) -> set:
     return {e.key for e in prof.key_averages()}
 
 
-SPLIT_KERNEL = "split_gemm_kernel"
+UNIT_SCALE_PASS = "scale_out_kernel"
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-# Row x row E4M3 outputs of few 128 x 192 tiles and long K, which lowbit's
-# split-K kernel (fp8_split_gemm.h) takes instead of cuBLASLt (six to
-# eight splits of at least four 128-wide K-blocks, on 132 SMs): one tile
-# with K split 8 ways and more K-blocks per CTA than pipeline stages (1 x
-# 16 x 8192: the stages' phases wrap); partial row, column and K tiles and
-# K-blocks split unevenly 6 ways (200 x 1040 x 3088: the last K-block 16
-# wide); a last row tile of 44 rows shared by 8 CTAs (300 x 272 x 4096);
-# the Linear bench's narrow weight at 256 rows (256 x 1536 x 4096).
-@pytest.mark.parametrize("mnk", [(1, 16, 8192), (200, 1040, 3088), (300, 272, 4096), (256, 1536, 4096)])
-def test_cuda_split_kernel_matches_float64(out_dtype, mnk):
-    a, sa, b, sb = operands(*mnk, ("row", "row"), key=("cuda-split",))
-    bias = torch.randn(mnk[1], generator=seeded("cuda-split-bias", mnk)).to(out_dtype)
-    assert SPLIT_KERNEL in " ".join(_kernel_names(
+# Row x row E4M3 outputs small enough for lowbit's form (fp8_row_gemm_cuda.h:
+# cuBLASLt's per-tensor GEMM with unit scales into FP32, then the scaling
+# pass): one row (1 x 16 x 8192); partial tiles everywhere (200 x 1040 x
+# 3088); 300 x 272 x 4096; the Linear bench's narrow weight at 256 rows
+# (256 x 1536 x 4096); the largest output it takes with K < 3072 (2^19:
+# 256 x 2048 x 2048).
+@pytest.mark.parametrize("mnk", [(1, 16, 8192), (200, 1040, 3088), (300, 272, 4096), (256, 1536, 4096),
+                                 (256, 2048, 2048)])
+def test_cuda_unit_scale_form_matches_float64(out_dtype, mnk):
+    a, sa, b, sb = operands(*mnk, ("row", "row"), key=("cuda-unit",))
+    bias = torch.randn(mnk[1], generator=seeded("cuda-unit-bias", mnk)).to(out_dtype)
+    assert UNIT_SCALE_PASS in " ".join(_kernel_names(
         lambda: lowbit.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), "row", "row", None, out_dtype)))
     for fast_accum in (False, True):
         check(a, sa, b, sb, ("row", "row"), device="cuda", out_dtype=out_dtype, fast_accum=fast_accum)
         y_bias = check(a, sa, b, sb, ("row", "row"), bias=bias, device="cuda", out_dtype=out_dtype,
                        fast_accum=fast_accum)
-        # deterministic: the partials are added in a fixed order
         again = lowbit.fp8_gemm(a.cuda(), sa.cuda(), b.cuda(), sb.cuda(), "row", "row", bias.cuda(), out_dtype,
                                 fast_accum)
         assert torch.equal(y_bias, again)
 
 
 @pytest.mark.cuda
-def test_cuda_split_kernel_only_for_few_tiles():
-    """An output of many tiles stays on cuBLASLt (its kernel fills the GPU
-    alone); the same operands cut to few rows take the split kernel."""
-    a, sa, b, sb = (t.cuda() for t in operands(4096, 2048, 4096, ("row", "row"), key=("cuda-split-many",)))
-    many = _kernel_names(lambda: lowbit.fp8_gemm(a, sa, b, sb, "row", "row"))
-    few = _kernel_names(lambda: lowbit.fp8_gemm(a[:128], sa[:128], b[:256], sb[:256], "row", "row"))
-    assert SPLIT_KERNEL not in " ".join(many)
-    assert SPLIT_KERNEL in " ".join(few)
+def test_cuda_unit_scale_form_only_for_small_outputs():
+    """Outputs past 2^20 elements (2^19 where K < 3072) stay on cuBLASLt's
+    row-scaled GEMM; the same operands cut to fewer rows take lowbit's form."""
+    a, sa, b, sb = (t.cuda() for t in operands(4096, 2048, 4096, ("row", "row"), key=("cuda-unit-many",)))
+    assert UNIT_SCALE_PASS not in " ".join(_kernel_names(lambda: lowbit.fp8_gemm(a, sa, b, sb, "row", "row")))
+    assert UNIT_SCALE_PASS in " ".join(_kernel_names(
+        lambda: lowbit.fp8_gemm(a[:512], sa[:512], b, sb, "row", "row")))  # 2^20 outputs, K = 4096
+    assert UNIT_SCALE_PASS not in " ".join(_kernel_names(
+        lambda: lowbit.fp8_gemm(a[:513], sa[:513], b, sb, "row", "row")))
+    short_k = a[:, :2048].contiguous(), b[:, :2048].contiguous()
+    assert UNIT_SCALE_PASS in " ".join(_kernel_names(
+        lambda: lowbit.fp8_gemm(short_k[0][:256], sa[:256], short_k[1], sb, "row", "row")))  # 2^19, K = 2048
+    assert UNIT_SCALE_PASS not in " ".join(_kernel_names(
+        lambda: lowbit.fp8_gemm(short_k[0][:257], sa[:257], short_k[1], sb, "row", "row")))
 
 
 @pytest.mark.cuda
-def test_cuda_split_kernel_nan_rows_views_and_graphs():
-    """A NaN scale of one row of A makes exactly that output row NaN (the
-    cluster's reduction mixes no rows); row slices of larger tensors give the
-    bits of copies; a CUDA graph replays the same bits."""
-    a, sa, b, sb = (t.cuda() for t in operands(400, 528, 3072, ("row", "row"), key=("cuda-split-nan",)))
+def test_cuda_unit_scale_form_nan_rows_views_and_graphs():
+    """A NaN scale of one row of A makes exactly that output row NaN; row
+    slices of larger tensors give the bits of copies; a CUDA graph (the unit
+    scales are device constants, valid before any kernel ran) replays the
+    same bits."""
+    a, sa, b, sb = (t.cuda() for t in operands(400, 528, 3072, ("row", "row"), key=("cuda-unit-nan",)))
     views = (a[144:], sa[144:], b[16:], sb[16:])
     y = lowbit.fp8_gemm(*views, "row", "row")
-    assert SPLIT_KERNEL in " ".join(_kernel_names(lambda: lowbit.fp8_gemm(*views, "row", "row")))
+    assert UNIT_SCALE_PASS in " ".join(_kernel_names(lambda: lowbit.fp8_gemm(*views, "row", "row")))
     assert torch.equal(y, lowbit.fp8_gemm(*(t.clone() for t in views), "row", "row"))
     sa_nan = sa.clone()
     sa_nan[5] = float("nan")
