@@ -30,8 +30,7 @@ def quantize_(
 
     - each ``nn.Linear`` with an :class:`lowbit.nn.Nvfp4Linear` computing
       as ``compute`` says: ``"w4a16"`` (the default), ``"auto"`` (the FP8
-      path from ``lowbit.nn.linear.auto_fp8_min_rows`` rows of x: 128 or
-      256 by the layer's width) or
+      path from ``lowbit.nn.linear.AUTO_FP8_MIN_ROWS`` (128) rows of x) or
       ``"fp8"`` (always), the last two with W's FP8 copy made here (1 byte
       a weight more; see :class:`lowbit.nn.Nvfp4Linear`). ``fp8_min_rows``
       is deprecated: n is ``compute="auto"`` from n rows, 0 ``"w4a16"``.

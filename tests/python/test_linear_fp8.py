@@ -12,7 +12,7 @@ import lowbit
 import nvfp4_reference as ref
 from linear_reference import FP8_MODE_TOL, Stack, make_weight, reference, rel_err, size_oblivious
 from lowbit.nn import Nvfp4GroupedLinear, Nvfp4Linear
-from lowbit.nn.linear import AUTO_FP8_MIN_ROWS, AUTO_FP8_MIN_ROWS_WIDE, AUTO_FP8_WIDE_OUT, auto_fp8_min_rows
+from lowbit.nn.linear import AUTO_FP8_MIN_ROWS
 
 cuda = pytest.mark.cuda
 
@@ -250,16 +250,15 @@ def test_compute_bad_values_and_grouped():
         grouped.compute = "fp8"
 
 
-def test_auto_threshold_by_layer_width():
-    """compute="auto" runs the FP8 path from 128 rows on layers of 7168 or
-    more output features and from 256 on narrower ones, whichever way the
-    mode is set; the deprecated fp8_min_rows=n keeps its own n."""
-    assert auto_fp8_min_rows(AUTO_FP8_WIDE_OUT, 2048) == AUTO_FP8_MIN_ROWS_WIDE == 128
-    assert auto_fp8_min_rows(AUTO_FP8_WIDE_OUT - 16, 8192) == AUTO_FP8_MIN_ROWS == 256
+def test_auto_threshold():
+    """compute="auto" runs the FP8 path from AUTO_FP8_MIN_ROWS (128) rows on
+    every layer, whichever way the mode is set; the deprecated
+    fp8_min_rows=n keeps its own n."""
+    assert AUTO_FP8_MIN_ROWS == 128
     wide = Nvfp4Linear(2048, 7168, bias=False, device="meta", compute="auto")
-    narrow = Nvfp4Linear(8192, 4096, bias=False, device="meta", compute="auto")
-    assert (wide._fp8_rows, narrow._fp8_rows) == (128, 256)
-    assert "compute=auto (FP8 from 128 rows)" in repr(wide) and "compute=auto (FP8 from 256 rows)" in repr(narrow)
+    narrow = Nvfp4Linear(8192, 64, bias=False, device="meta", compute="auto")
+    assert (wide._fp8_rows, narrow._fp8_rows) == (128, 128)
+    assert "compute=auto (FP8 from 128 rows)" in repr(wide)
     wide.compute = "w4a16"
     assert wide._fp8_rows == 0
     wide.compute = "auto"
@@ -269,7 +268,7 @@ def test_auto_threshold_by_layer_width():
     model = torch.nn.Sequential(torch.nn.Linear(2048, 7168, bias=False, device="meta"),
                                 torch.nn.Linear(7168, 64, bias=False, device="meta"))
     model = lowbit.quantize_(model.to(torch.bfloat16), compute="auto", progress=False)
-    assert [m._fp8_rows for m in model] == [128, 256]
+    assert [m._fp8_rows for m in model] == [128, 128]
 
 
 def test_quantize_compute():

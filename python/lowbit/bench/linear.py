@@ -16,7 +16,7 @@ rows, the FP8 path on W's E4M3 form made once (lowbit.nvfp4_to_fp8, what
 Nvfp4Linear's compute "auto" / "fp8" run; only x rounded per call):
 fp8w_us, x_bf16_fp8w and %floor_fp8w (floor bytes: x + the E4M3 weight,
 1 B/weight, + output). auto_us / x_bf16_auto: what an Nvfp4Linear with
-compute="auto" runs at that M (lowbit.nn.linear.auto_fp8_min_rows): the
+compute="auto" runs at that M (lowbit.nn.linear.AUTO_FP8_MIN_ROWS): the
 FP8 row from its threshold, W4A16 below; the number the bars read.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import lowbit
 from lowbit.bench.harness import Hardware, rotation_count, time_calls, time_calls_in_turns
-from lowbit.nn.linear import auto_fp8_min_rows
+from lowbit.nn.linear import AUTO_FP8_MIN_ROWS
 
 MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384]
 SHAPES = [
@@ -117,10 +117,10 @@ def run(hw: Hardware, quick: bool):
 
 
 def add_auto_columns(row: dict) -> None:
-    """auto_us and x_bf16_auto of a row: its cached-FP8 time from the
-    layer's compute="auto" threshold, its W4A16 time below. Rows from the
+    """auto_us and x_bf16_auto of a row: its cached-FP8 time from
+    compute="auto"'s threshold, its W4A16 time below. Rows from the
     threshold without a cached-FP8 time (not timed there) get neither."""
-    fp8 = row["M"] >= auto_fp8_min_rows(row["N"], row["K"])
+    fp8 = row["M"] >= AUTO_FP8_MIN_ROWS
     if fp8 and "fp8w_us" not in row:
         return
     t = row["fp8w_us"] if fp8 else row["nvfp4_us"]

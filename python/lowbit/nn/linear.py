@@ -15,8 +15,7 @@ the arithmetic: ``"w4a16"`` (the default: the NVFP4 weight decoded to x's
 dtype, BF16/FP16 tensor cores), ``"fp8"`` (every call on the FP8 tensor
 cores: W's E4M3 form times x rounded to E4M3 per row, an extra error of
 about 4e-2 relative against the W4A16 result) or ``"auto"`` (the FP8 path
-from ``auto_fp8_min_rows(out_features, in_features)`` rows of x, 128 on
-layers of 7168 or more output features and 256 on narrower ones, W4A16 below; the
+from ``AUTO_FP8_MIN_ROWS`` (128) rows of x, W4A16 below; the
 choice is made inside the op, per call, without a host synchronization, so one compiled
 graph or CUDA graph serves every M). With ``"auto"`` or ``"fp8"`` the
 layer keeps W's E4M3 form beside the NVFP4 weight, made once when the
@@ -51,40 +50,25 @@ _PADDING_SCALE_BYTE = 0x8A
 
 COMPUTE_MODES = ("w4a16", "auto", "fp8")
 
-# compute="auto": the FP8 path from AUTO_FP8_MIN_ROWS rows of x, and from
-# AUTO_FP8_MIN_ROWS_WIDE on layers of at least AUTO_FP8_WIDE_OUT output
-# features; W4A16 below (auto_fp8_min_rows). On an H200 (bench linear,
-# docs/perf/log/linear.md "Linear v37") the FP8 path was faster than W4A16
-# at 256 rows on every bench shape; at 128 rows on the five with N >= 7168
-# (0.88-1.54x cuBLAS BF16 against W4A16's 0.68-0.90x), on none of the five
-# with N <= 4096 by more than noise (W4A16 0.71-1.12x, FP8 0.57-1.02x).
-AUTO_FP8_MIN_ROWS = 256
-AUTO_FP8_MIN_ROWS_WIDE = 128
-AUTO_FP8_WIDE_OUT = 7168
-# What resolve_compute gives for "auto": the layer's threshold, from its shape.
-_AUTO_BY_SHAPE = -1
-
-
-def auto_fp8_min_rows(out_features: int, in_features: int) -> int:
-    """compute="auto"'s threshold for a layer of this shape: the rows of x
-    from which its FP8 path runs."""
-    del in_features  # the measured crossover followed N alone
-    return AUTO_FP8_MIN_ROWS_WIDE if out_features >= AUTO_FP8_WIDE_OUT else AUTO_FP8_MIN_ROWS
+# compute="auto": the FP8 path from AUTO_FP8_MIN_ROWS rows of x, W4A16
+# below. On an H200, with the FP8 path's unit-scale GEMM for small outputs
+# (docs/perf/log/linear.md, "Linear v38"), the FP8 path was as fast as
+# W4A16 or faster at 128 rows on every bench shape (4096 x 1536: 11.6 us
+# against 11.5; the others 1.1-1.9x), and slower at 64 on all but one.
+AUTO_FP8_MIN_ROWS = 128
 
 
 def resolve_compute(where: str, compute: str, fp8_min_rows: int | None) -> tuple[str, int]:
     """(compute mode, fp8_min_rows for the layer's _set_compute) from the
     knob and the deprecated ``fp8_min_rows`` (0: "w4a16", n: "auto" from n
-    rows; "auto" itself gives _AUTO_BY_SHAPE, which the layer resolves with
-    auto_fp8_min_rows), or ValueError naming ``where`` and the argument."""
+    rows), or ValueError naming ``where`` and the argument."""
     if not isinstance(compute, str) or compute not in COMPUTE_MODES:
         raise ValueError(f"{where}: compute must be 'w4a16', 'auto' or 'fp8', got {compute!r}")
     if fp8_min_rows is None:
-        return compute, {"w4a16": 0, "auto": _AUTO_BY_SHAPE, "fp8": 1}[compute]
+        return compute, {"w4a16": 0, "auto": AUTO_FP8_MIN_ROWS, "fp8": 1}[compute]
     warnings.warn(f"{where}: fp8_min_rows is deprecated; use compute='auto' (the FP8 path from "
-                  f"{AUTO_FP8_MIN_ROWS_WIDE} or {AUTO_FP8_MIN_ROWS} rows by the layer's width, on an FP8 weight made "
-                  "once) or compute='fp8'; fp8_min_rows=n is compute='auto' from n rows", DeprecationWarning,
-                  stacklevel=3)
+                  f"{AUTO_FP8_MIN_ROWS} rows, on an FP8 weight made once) or compute='fp8'; fp8_min_rows=n is "
+                  "compute='auto' from n rows", DeprecationWarning, stacklevel=3)
     if isinstance(fp8_min_rows, bool) or not isinstance(fp8_min_rows, int) or fp8_min_rows < 0:
         raise ValueError(f"{where}: fp8_min_rows must be an int >= 0 (0: never the FP8 mode), got {fp8_min_rows!r}")
     if compute != "w4a16":
@@ -196,10 +180,7 @@ class Nvfp4Linear(KeepsDtypes):
 
     def _set_compute(self, mode: str, fp8_min_rows: int) -> None:
         # Checked when set, not at the next forward. fp8_min_rows: what the
-        # op gets (0 for "w4a16", 1 for "fp8", the threshold for "auto";
-        # _AUTO_BY_SHAPE: auto_fp8_min_rows of this layer).
-        if fp8_min_rows == _AUTO_BY_SHAPE:
-            fp8_min_rows = auto_fp8_min_rows(self.out_features, self.in_features)
+        # op gets (0 for "w4a16", 1 for "fp8", the threshold for "auto").
         self._compute, self._fp8_rows = mode, fp8_min_rows
         self.refresh_fp8_weight()
 
