@@ -269,7 +269,7 @@ if [[ -n ${LOWBIT_TEST_SPREAD_GPUS:-} ]] && [[ -z $TESTS || $TESTS == *test_fp8_
     tests/python/test_fp8_parallel.py -k cuda_nccl >"$OUT/tests_multi_gpu.log" 2>&1
   rc=$?
   last=$(grep -E ' in [0-9.]+s' "$OUT/tests_multi_gpu.log" | tail -1)
-  row "multi-GPU tests ($SPREAD_GPUS GPUs)" "rc=$rc: $last" $(( $(date +%s) - start ))
+  row "multi-GPU tests (${LOWBIT_TEST_WORLD:-$SPREAD_GPUS} processes)" "rc=$rc: $last" $(( $(date +%s) - start ))
   if [[ $rc -ne 0 ]]; then
     failed=1
     failed_tests+=$'\n'$(grep -E '^(FAILED|ERROR)' "$OUT/tests_multi_gpu.log" | head -10)

@@ -2,6 +2,10 @@
 operands from fp8_reference.py, bit-exact), within FP32-accumulation plus
 output-rounding tolerance; opcheck, compile, empty, bad inputs, CUDA."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import pytest
@@ -261,3 +265,35 @@ def test_cuda_unit_scale_form_nan_rows_views_and_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y_graph, want)
+
+
+_FIRST_CALL_IN_A_GRAPH = textwrap.dedent("""
+    import torch
+    import lowbit
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = lowbit.fp8_cast(torch.randn(96, 1024, device="cuda", generator=g), "row")
+    b = lowbit.fp8_cast(torch.randn(256, 1024, device="cuda", generator=g), "row")
+    one = torch.ones((), device="cuda")
+    torch._scaled_mm(a.data, b.data.t(), one, one, out_dtype=torch.float32)  # cuBLASLt set up, not lowbit
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, "row", "row")
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (a.data.double() * a.scale.double()[:, None]) @ (b.data.double() * b.scale.double()[:, None]).t()
+    err = float((y.double() - want).norm() / want.norm())
+    assert torch.equal(y, lowbit.fp8_gemm(a.data, a.scale, b.data, b.scale, "row", "row")), "replay != eager"
+    assert err < 1e-2, err
+    print("ok", err)
+""")
+
+
+@pytest.mark.cuda
+def test_cuda_unit_scale_form_first_call_inside_a_graph():
+    """In a fresh process the form's first call (the unit-scale constant's
+    first use, the scaling pass's first launch) is inside a CUDA graph's
+    capture; the replay gives the eager bits, close to float64."""
+    run = subprocess.run([sys.executable, "-c", _FIRST_CALL_IN_A_GRAPH], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
