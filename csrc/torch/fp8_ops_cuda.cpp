@@ -7,9 +7,9 @@
 //   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
 //     multiples of 16 (cuBLASLt FP8: row-major a times column-major b, i.e.
 //     our b [N, K] row-major, passed as b.t()); row x row E4M3 with a
-//     bfloat16 / float16 output: lowbit's own forms where they are faster
-//     (fp8_row_gemm_cuda.h: a unit-scale GEMM and a scaling pass on
-//     small outputs, the split-K GEMM on outputs of few tiles).
+//     bfloat16 / float16 output: on small outputs lowbit's form instead
+//     (fp8_row_gemm_cuda.h: cuBLASLt's unit-scale GEMM and a scaling
+//     pass).
 //   block x block2d (1 x 128 by 128 x 128) and block x block (1 x 128 by
 //     1 x 128): at::_scaled_mm's DeepSeek-style block scaling (cuBLASLt >=
 //     12.9, compute capability 9.0 only), with its scale layouts: a's scales
@@ -150,7 +150,7 @@ at::Tensor gemm_cuda_impl(const at::Tensor& a_in, const at::Tensor& scale_a, con
     return gemm_reference(a, scale_a, b, scale_b, sa, sb, bias, out_dtype);
   }
   if (sa == Scaling::kRow && sb == Scaling::kRow) {
-    // lowbit's own forms where they beat cuBLASLt's row-scaled GEMM (fp8_row_gemm_cuda.h).
+    // lowbit's form where it beats cuBLASLt's row-scaled GEMM (fp8_row_gemm_cuda.h).
     if (c10::optional<at::Tensor> y = own_row_gemm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)) return *y;
   }
   const int64_t m = a.size(0), n = b.size(0);

@@ -110,7 +110,7 @@ constexpr int64_t kFp8FastAccumMinRows = 128;
 
 // The FP8 path: W's codes (cached, or made now) and x's (now) rounded per
 // row by lowbit's kernels, then cuBLASLt's FP8 GEMM with the row scales and
-// the bias in its epilogue (or, where faster, lowbit's own forms:
+// the bias in its epilogue (or, on small outputs, lowbit's unit-scale form:
 // fp8_row_gemm_cuda.h); float32 x, which that GEMM does not output,
 // gets the same codes multiplied in FP32 (fp8_linear_reference).
 at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& s, const at::Tensor& g,
@@ -141,7 +141,7 @@ at::Tensor linear_fp8_cuda(const at::Tensor& x2, const at::Tensor& w, const at::
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
   const at::Tensor w8c = w8.contiguous();
-  // lowbit's own forms where they beat cuBLASLt's row-scaled GEMM (fp8_row_gemm_cuda.h).
+  // lowbit's form where it beats cuBLASLt's row-scaled GEMM (fp8_row_gemm_cuda.h).
   if (c10::optional<at::Tensor> y = own_row_gemm(x8, x_scale, w8c, w_scale, b, x2.scalar_type(),
                                                  m >= kFp8FastAccumMinRows))
     return y->view(out_shape);

@@ -169,9 +169,11 @@ def test_cuda_fp8_mode_without_a_fast_accumulation_algorithm(m):
     # From 128 rows the FP8 GEMM asks cuBLASLt for fast accumulation; for
     # N = 256, K = 7168 with a bias it has none at these row counts
     # (CUBLAS_STATUS_NOT_SUPPORTED, measured on an H200 with torch 2.11), and
-    # the op runs the exact form instead. On a GPU of 132 SMs lowbit's
-    # split-K GEMM takes these outputs of few tiles first. Either way: the
-    # same result as the CPU kernel, also inside a CUDA graph.
+    # the op runs the exact form instead. These small outputs now go first to
+    # the unit-scale form (fp8_row_gemm_cuda.h: cuBLASLt's per-tensor GEMM,
+    # which steps aside to the row-scaled path if cuBLASLt refuses it).
+    # Whichever runs: the same result as the CPU kernel, also inside a CUDA
+    # graph.
     n, k = 256, 7168
     gen = torch.Generator().manual_seed(m)
     _, q, deq, pw, ps, g = make_weight(n, k, gen)
