@@ -243,6 +243,34 @@ def test_cuda_extreme_magnitudes_and_misaligned_input(scaling, magnitude):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_cuda_tile_mixing_scale_ranges(scaling):
+    # One 128 x 128 tile whose rows and columns need different division forms:
+    # rows and a column far below 2^-80 in scale (the IEEE division), powers of
+    # two, and ordinary ones. Block scaling picks one form per tile, the other
+    # scalings one per thread; every form must give the rule's codes.
+    gen = seeded("mixed tile", scaling)
+    x = torch.randn(256, 384, generator=gen) * 3
+    x[5] *= 1e-30  # scale ~1e-32: below 2^-80
+    x[70, :] = 0.5  # amax 0.5: a power-of-two scale under pow2_scales only
+    x[:, 9] *= 1e-31
+    x[130:140] *= 1e25
+    x = x.to(torch.bfloat16)
+    for fmt in FORMATS:
+        for pow2 in (False, True):
+            got = lowbit.fp8_cast(x.cuda(), scaling, fmt, True, None, pow2)
+            assert_cast_matches(got, ref.cast(x, scaling, fmt, True, None, pow2))
+    if scaling == "tensor":
+        # Given scales: x * (1 / s) overflows in some tiles only (the guarded
+        # division there, the bounded one elsewhere).
+        xs = x.float()
+        xs[200:210] *= 1e30
+        s = torch.tensor(3 * 2.0**-80)
+        got = lowbit.fp8_cast(xs.cuda(), scaling, "e4m3", True, s.cuda())
+        assert_cast_matches(got, ref.cast(xs, scaling, "e4m3", True, s))
+
+
+@pytest.mark.cuda
 def test_cuda_graph_capture_replays_the_cast():
     x = torch.randn(300, 260, device="cuda")
     f = lambda: lowbit.fp8_cast(x, "row", "e4m3", True)  # noqa: E731

@@ -159,15 +159,6 @@ __device__ __forceinline__ void cta_column_amaxes(const float (&c)[kVec], const 
   for (int e = 0; e < kVec; ++e) out[e] = __uint_as_float(col[t.col(e)]);
 }
 
-// Each of this thread's columns' amax over the tile's 128 rows.
-template <typename T>
-__device__ __forceinline__ void tile_column_amaxes(const TileValues<T>& v, const Tile& t, unsigned (*red)[kBlockSize],
-                                                   unsigned* col, float (&out)[kVec]) {
-  float c[kVec] = {};
-  thread_column_amaxes(v, c);
-  cta_column_amaxes(c, t, red, col, out);
-}
-
 // The CTA's amax (every thread gets it), through shared memory `red` [kWarps].
 __device__ __forceinline__ float tile_amax(float m, unsigned* red) {
   m = warp_amax(m);
@@ -333,11 +324,11 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&r)[4], uint32_t* w
 // transposed copy's are gathered into words (4 rows of one column): a byte
 // transpose of the row codes where data and data_t share the scale, else
 // codes of their own.
-template <typename T, Format F, Division D>
+template <typename T, Format F, Scaling S, Division D>
 __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Divisor (&rd)[kPasses][kGroupRows],
                                             const Divisor (&dc)[kVec], const Tile& t, const CastParams& p,
                                             uint32_t (&words)[kPasses][kVec]) {
-  const bool same_scale = p.scaling == Scaling::kTensor || p.scaling == Scaling::kBlock2d;
+  constexpr bool same_scale = S == Scaling::kTensor || S == Scaling::kBlock2d;
   const int64_t j0 = t.col0 + t.col(0);
 #pragma unroll
   for (int a = 0; a < kPasses; ++a) {
@@ -361,7 +352,7 @@ __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Diviso
       }
     }
     if (!p.transpose) continue;
-    if (same_scale) {
+    if constexpr (same_scale) {
       transpose4x4(lo, words[a]);
       transpose4x4(hi, words[a] + 4);
     } else {
@@ -374,10 +365,17 @@ __device__ __forceinline__ void encode_tile(const TileValues<T>& v, const Diviso
   }
 }
 
-template <typename T, Format F>
-__global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParams p) {
+// Residency: tensor scaling's tile fits 80 registers, three CTAs per SM;
+// the others keep a scale pair per row and column (or, block2d, spill at
+// 80), two CTAs per SM. The cast is bound by issue at two: a third CTA
+// hides more of each warp's latency.
+template <Scaling S>
+constexpr int kCastCtasPerSm = S == Scaling::kTensor ? 3 : 2;
+
+template <typename T, Format F, Scaling S>
+__global__ void __launch_bounds__(kThreads, kCastCtasPerSm<S>) cast_kernel(const T* x, CastParams p) {
   __shared__ unsigned red[kWarps][kBlockSize];
-  __shared__ unsigned col_bits[kBlockSize];
+  __shared__ __align__(16) float2 col_div[kBlockSize];  // kBlock: each column's (scale, reciprocal)
   __shared__ __align__(16) uint32_t tile_t[kBlockSize][kWords];  // [column][row word], swizzled (store_transposed)
   const Tile t;
   TileValues<T> v;
@@ -393,111 +391,151 @@ __global__ void __launch_bounds__(kThreads, 2) cast_kernel(const T* x, CastParam
   // takes the element rule; only a given scale needs `clean`.
   Divisor rd[kPasses][kGroupRows], cd[kVec];
   bool clean = true;
-  switch (p.scaling) {
-    case Scaling::kTensor: {
-      float s;
-      if (p.given_scale) {  // one pass: this pass makes the amax
-        s = *p.given_scale;
-        const float mine = thread_amax(v);
-        clean = !is_nan(mine);  // a given scale does not reveal a NaN
-        const float m = warp_amax(mine);
-        if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
-      } else {
-        s = scale_of(*p.amax);
-      }
-      const Divisor d(s);
-      for (auto& r : rd) for (Divisor& e : r) e = d;
-      if (first_tile && threadIdx.x == 0) {
-        *p.scale = s;
-        if (p.transpose) *p.scale_t = s;
-      }
-      break;
+  bool fast = true, pow2 = true, decided = false;
+  bool given_bounded = false;  // a given scale under which no element's x * r overflows
+  if constexpr (S == Scaling::kTensor) {
+    float s, mine = 0.f;
+    if (p.given_scale) {  // one pass: this pass makes the amax
+      s = *p.given_scale;
+      mine = thread_amax(v);
+      clean = !is_nan(mine);  // a given scale does not reveal a NaN
+      const float m = warp_amax(mine);
+      if (threadIdx.x % 32 == 0) atomic_amax(p.amax, m);
+    } else {
+      s = scale_of(*p.amax);
     }
-    case Scaling::kRow:  // scales (written out already) and reciprocals from row_scales_kernel
+    const Divisor d(s);
+    // |x| * r <= mine * r (rounding is monotone): where that is finite no
+    // x * r overflows, and the guard of div_by_scale has nothing to catch.
+    given_bounded = p.given_scale != nullptr && __fmul_rn(mine, d.r) < INFINITY;
+    for (auto& r : rd) for (Divisor& e : r) e = d;
+    if (first_tile && threadIdx.x == 0) {
+      *p.scale = s;
+      if (p.transpose) *p.scale_t = s;
+    }
+  } else if constexpr (S == Scaling::kRow) {  // scales (written out already) and reciprocals from row_scales_kernel
 #pragma unroll
-      for (int a = 0; a < kPasses; ++a)
+    for (int a = 0; a < kPasses; ++a)
 #pragma unroll
-        for (int q = 0; q < kGroupRows; ++q) {
-          const int64_t i = t.row0 + t.row(a, q);
-          if (i < p.rows) rd[a][q] = Divisor(p.row_div[i]);
-        }
-      if (p.transpose)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const int64_t j = t.col0 + t.col(e);
-          if (j < p.cols) cd[e] = Divisor(p.col_div[j]);
-        }
-      break;
-    case Scaling::kBlock: {
-      float mine = 0.f;  // the tensor's amax, from this thread's part of each row's
-#pragma unroll
-      for (int a = 0; a < kPasses; ++a)
-#pragma unroll
-        for (int q = 0; q < kGroupRows; ++q) {
-          float r = 0.f;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[a][q][e]));
-          mine = amax2(mine, r);
-          const float s = scale_of(row_amax(r));
-          rd[a][q] = Divisor(s);
-          const int64_t i = t.row0 + t.row(a, q);
-          if (t.cg == 0 && i < p.rows) p.scale[i * kb + blockIdx.y] = s;
-        }
-      mine = warp_amax(mine);
-      if (threadIdx.x % 32 == 0) atomic_amax(p.amax, mine);
-      float c[kVec];
-      tile_column_amaxes(v, t, red, col_bits, c);
+      for (int q = 0; q < kGroupRows; ++q) {
+        const int64_t i = t.row0 + t.row(a, q);
+        if (i < p.rows) rd[a][q] = Divisor(p.row_div[i]);
+      }
+    if (p.transpose)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float s = scale_of(c[e]);
-        if (p.transpose) cd[e] = Divisor(s);
         const int64_t j = t.col0 + t.col(e);
-        if (p.transpose && t.g == 0 && j < p.cols) p.scale_t[j * mb + blockIdx.x] = s;
+        if (j < p.cols) cd[e] = Divisor(p.col_div[j]);
       }
-      break;
+  } else if constexpr (S == Scaling::kBlock) {
+    // Each of the tile's 128 row scales and 128 column scales is computed
+    // once (a division and a reciprocal each) and shared: row (a, q) of a
+    // row group by lane cg == a * kGroupRows + q of its 16, then shuffled
+    // to the other 15; column c by thread c, through shared memory.
+    float ra[kPasses][kGroupRows], mine = 0.f;
+#pragma unroll
+    for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+      for (int q = 0; q < kGroupRows; ++q) {
+        float r = 0.f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) r = amax2(r, to_float(v[a][q][e]));
+        ra[a][q] = row_amax(r);
+        mine = amax2(mine, ra[a][q]);
+      }
+    mine = warp_amax(mine);
+    if (threadIdx.x % 32 == 0) atomic_amax(p.amax, mine);
+    constexpr int kThreadRows = kPasses * kGroupRows;
+    const int own = t.cg % kThreadRows;  // the row of the thread's 8 whose scale this lane computes
+    float own_amax = ra[0][0];
+#pragma unroll
+    for (int k = 1; k < kThreadRows; ++k) own_amax = own == k ? ra[k / kGroupRows][k % kGroupRows] : own_amax;
+    const Divisor own_d(scale_of(own_amax));
+    const int64_t own_row = t.row0 + t.row(own / kGroupRows, own % kGroupRows);
+    if (t.cg < kThreadRows && own_row < p.rows) p.scale[own_row * kb + blockIdx.y] = own_d.s;
+    const int lane_base = int(threadIdx.x) % 32 & ~(kColGroups - 1);
+#pragma unroll
+    for (int a = 0; a < kPasses; ++a)
+#pragma unroll
+      for (int q = 0; q < kGroupRows; ++q) {
+        const int src = lane_base + a * kGroupRows + q;
+        rd[a][q].s = __shfl_sync(0xffffffffu, own_d.s, src);
+        rd[a][q].r = __shfl_sync(0xffffffffu, own_d.r, src);
+      }
+    // The column amaxes over the CTA (every row group's), then column c's
+    // divisor by thread c, shared through col_div.
+    float c[kVec] = {};
+    thread_column_amaxes(v, c);
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float both = amax2(c[e], __shfl_xor_sync(0xffffffffu, c[e], 16));  // the warp's other row group
+      if (threadIdx.x % 32 < kColGroups) red[warp][t.col(e)] = __float_as_uint(both);
     }
-    case Scaling::kBlock2d: {
-      const float m = tile_amax(thread_amax(v), red[0]);
-      if (threadIdx.x == 0) atomic_amax(p.amax, m);
-      const float s = scale_of(m);
-      const Divisor d(s);
-      for (auto& r : rd) for (Divisor& e : r) e = d;
-      if (threadIdx.x == 0) {
-        p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = s;
-        if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = s;
-      }
-      break;
+    bool ok = fast_division_ok(own_d.s), ok2 = pow2_division_ok(own_d.s);
+    __syncthreads();
+    if (threadIdx.x < kBlockSize) {
+      float m = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m = amax2(m, __uint_as_float(red[w][threadIdx.x]));
+      const Divisor d(scale_of(m));
+      col_div[threadIdx.x] = make_float2(d.s, d.r);
+      const int64_t j = t.col0 + threadIdx.x;
+      if (p.transpose && j < p.cols) p.scale_t[j * mb + blockIdx.x] = d.s;
+      ok = ok && fast_division_ok(d.s);
+      ok2 = ok2 && pow2_division_ok(d.s);
+    }
+    // One division form for the whole tile (the barrier also publishes col_div).
+    fast = __syncthreads_and(ok);
+    pow2 = __syncthreads_and(ok2);
+    decided = true;
+    if (p.transpose) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) cd[e] = Divisor(col_div[t.col(e)]);
+    }
+  } else {  // kBlock2d
+    const float m = tile_amax(thread_amax(v), red[0]);
+    if (threadIdx.x == 0) atomic_amax(p.amax, m);
+    const float s = scale_of(m);
+    const Divisor d(s);
+    for (auto& r : rd) for (Divisor& e : r) e = d;
+    if (threadIdx.x == 0) {
+      p.scale[int64_t(blockIdx.x) * kb + blockIdx.y] = s;
+      if (p.transpose) p.scale_t[int64_t(blockIdx.y) * mb + blockIdx.x] = s;
     }
   }
 
   // One branch per thread between the forms of the encoding loop (a branch
-  // per element would replicate them all in the unrolled code). A NaN
-  // element makes its group's computed scale NaN, which fails
-  // fast_division_ok; only a given scale needs `clean`. The transposed
-  // copy's column scales are data's where they are shared (tensor, block2d)
-  // and unused where there is no copy (cd stays 1).
-  bool fast = clean, pow2 = true;
+  // per element would replicate them all in the unrolled code); block
+  // scaling chose one per tile above. A NaN element makes its group's
+  // computed scale NaN, which fails fast_division_ok; only a given scale
+  // needs `clean`. The transposed copy's column scales are data's where they
+  // are shared (tensor, block2d) and unused where there is no copy (cd
+  // stays 1).
+  if (!decided) {
+    fast = clean;
 #pragma unroll
-  for (int a = 0; a < kPasses; ++a)
+    for (int a = 0; a < kPasses; ++a)
 #pragma unroll
-    for (int q = 0; q < kGroupRows; ++q) {
-      fast = fast && fast_division_ok(rd[a][q].s);
-      pow2 = pow2 && pow2_division_ok(rd[a][q].s);
+      for (int q = 0; q < kGroupRows; ++q) {
+        fast = fast && fast_division_ok(rd[a][q].s);
+        pow2 = pow2 && pow2_division_ok(rd[a][q].s);
+      }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      fast = fast && fast_division_ok(cd[e].s);
+      pow2 = pow2 && pow2_division_ok(cd[e].s);
     }
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    fast = fast && fast_division_ok(cd[e].s);
-    pow2 = pow2 && pow2_division_ok(cd[e].s);
   }
   uint32_t words[kPasses][kVec];
   if (!fast) {
-    encode_tile<T, F, Division::kElement>(v, rd, cd, t, p, words);
+    encode_tile<T, F, S, Division::kElement>(v, rd, cd, t, p, words);
   } else if (pow2) {
-    encode_tile<T, F, Division::kPow2>(v, rd, cd, t, p, words);
-  } else if (p.given_scale == nullptr) {  // every scale from its elements' amax
-    encode_tile<T, F, Division::kBounded>(v, rd, cd, t, p, words);
-  } else {
-    encode_tile<T, F, Division::kGuarded>(v, rd, cd, t, p, words);
+    encode_tile<T, F, S, Division::kPow2>(v, rd, cd, t, p, words);
+  } else if (S != Scaling::kTensor || p.given_scale == nullptr || given_bounded) {  // no x * r overflows
+    encode_tile<T, F, S, Division::kBounded>(v, rd, cd, t, p, words);
+  } else if constexpr (S == Scaling::kTensor) {  // only a given scale can need the guard
+    encode_tile<T, F, S, Division::kGuarded>(v, rd, cd, t, p, words);
   }
   if (!p.transpose) return;
 
@@ -622,7 +660,12 @@ cudaError_t launch(const CastArgs& a, cudaStream_t stream) {
       p.col_div = div + a.rows;
     }
   }
-  cast_kernel<T, F><<<grid, kThreads, 0, stream>>>(x, p);
+  switch (a.scaling) {
+    case Scaling::kTensor: cast_kernel<T, F, Scaling::kTensor><<<grid, kThreads, 0, stream>>>(x, p); break;
+    case Scaling::kRow: cast_kernel<T, F, Scaling::kRow><<<grid, kThreads, 0, stream>>>(x, p); break;
+    case Scaling::kBlock: cast_kernel<T, F, Scaling::kBlock><<<grid, kThreads, 0, stream>>>(x, p); break;
+    case Scaling::kBlock2d: cast_kernel<T, F, Scaling::kBlock2d><<<grid, kThreads, 0, stream>>>(x, p); break;
+  }
   return cudaGetLastError();
 }
 
