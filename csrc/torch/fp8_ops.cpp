@@ -253,29 +253,6 @@ void check_history(const at::Tensor& h, const at::Tensor& x, const Recipe& r, co
                     h.sym_sizes());
 }
 
-// The delayed scales of history rows [row0, row0 + n), from the history as
-// it is before this call records anything: [n] float32.
-at::Tensor delayed_scales(const Backend& be, const at::Tensor& h, int64_t row0, int64_t n, const Recipe& r,
-                          Format f) {
-  const at::Tensor rows = h.narrow(0, row0, n);
-  const at::Tensor reduced = r.amax_max ? rows.amax(1) : rows.select(1, 0).contiguous();
-  return be.scale_from_amax(reduced, fp8::format_max(f), r.margin, r.pow2);
-}
-
-// Rolls history rows [row0, row0 + n) one column towards the old end and
-// writes `amax` [n] into column 0 (the most recent). A non-finite amax (an
-// inf or NaN in the tensor) is not recorded: the row's previous most recent
-// value is, so one bad batch does not set the scales of the next L steps
-// (TransformerEngine keeps the previous scale then). `amax < inf` is false
-// for inf and NaN alike.
-void record_amax(at::Tensor h, int64_t row0, const at::Tensor& amax) {
-  at::Tensor rows = h.narrow(0, row0, amax.numel());
-  const at::Tensor value = at::where(amax.lt(std::numeric_limits<float>::infinity()), amax, rows.select(1, 0));
-  const int64_t len = h.size(1);
-  if (len > 1) rows.narrow(1, 1, len - 1).copy_(rows.narrow(1, 0, len - 1).clone());
-  rows.select(1, 0).copy_(value);
-}
-
 void check_contiguous(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(t.is_contiguous(), "lowbit.", op, ": argument '", arg, "' must be contiguous (it is written in ",
                     "place), got strides ", t.strides());
@@ -449,7 +426,7 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
   const bool x_fp8 = e.x_scale.has_value(), w_cached = e.w_fp8.has_value();
   c10::optional<at::Tensor> sx, sw;
   if (delayed) {
-    const at::Tensor s = delayed_scales(be, amax_history, 0, 2, r, Format::kE4M3);
+    const at::Tensor s = be.delayed_scales(amax_history, 0, 2, r, Format::kE4M3);
     sx = s.select(0, 0);
     sw = s.select(0, 1);
   }
@@ -486,12 +463,10 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
     // refresh), an FP8-gathered W's comes with it.
     c10::optional<at::Tensor> x_amax = x_fp8 ? e.x_amax : c10::optional<at::Tensor>(cx.amax);
     c10::optional<at::Tensor> w_amax = w_cached ? e.w_amax : c10::optional<at::Tensor>(cw.amax);
-    if (x_amax.has_value() && w_amax.has_value()) {
-      record_amax(amax_history, 0, at::stack({x_amax->reshape({}), w_amax->reshape({})}));
-    } else if (x_amax.has_value()) {
-      record_amax(amax_history, 0, x_amax->view({1}));
+    if (x_amax.has_value()) {
+      be.record_amax(amax_history, 0, *x_amax, w_amax);  // rows x and W in one step
     } else if (w_amax.has_value()) {
-      record_amax(amax_history, 1, w_amax->view({1}));
+      be.record_amax(amax_history, 1, *w_amax, c10::nullopt);
     }
   }
   return {y, cx.data_t, cx.scale_t, cw.data_t, cw.scale_t, y_scale};
@@ -506,10 +481,10 @@ at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int6
   TORCH_CHECK_VALUE(row >= 0 && row < kHistoryRows, "lowbit.", kOp, ": argument 'row' must be 0 (x), 1 (W) or 2 (dy), got ",
                     row);
   if (amax_history.is_meta()) return at::empty({}, amax_history.options());
-  return delayed_scales(be, amax_history, row, 1, r, f).reshape({});
+  return be.delayed_scales(amax_history, row, 1, r, f).reshape({});
 }
 
-void record_amax_op(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
+void record_amax_op(const Backend& be, const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
   constexpr const char* kOp = "fp8_record_amax";
   const Recipe r = parse_recipe("delayed", "e4m3", "max", 0, false, kOp);
   check_history(amax_history, amax_history, r, kOp);
@@ -520,7 +495,7 @@ void record_amax_op(const at::Tensor& amax_history, int64_t row, const at::Tenso
   TORCH_CHECK_VALUE(amax.sym_numel() == 1, "lowbit.", kOp, ": argument 'amax' must hold one value, got shape ",
                     amax.sym_sizes());
   if (amax_history.is_meta()) return;
-  record_amax(amax_history, row, amax.reshape({1}));
+  be.record_amax(amax_history, row, amax, c10::nullopt);
 }
 
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
@@ -531,10 +506,10 @@ void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::
   check_cache_weight(weight, amax_history, w_data, w_scale, w_t_data, w_t_scale, r);
   const bool delayed = r.kind == Recipe::Kind::kDelayed;
   c10::optional<at::Tensor> sw;
-  if (delayed) sw = delayed_scales(be, amax_history, 1, 1, r, Format::kE4M3).select(0, 0);
+  if (delayed) sw = be.delayed_scales(amax_history, 1, 1, r, Format::kE4M3).select(0, 0);
   CastOut out{w_data, w_scale, w_t_data, w_t_scale, at::empty({}, weight.options().dtype(at::kFloat))};
   be.cast_into(weight.contiguous(), r.weight(), Format::kE4M3, sw, r.pow2, out);
-  if (delayed) record_amax(amax_history, 1, out.amax.view({1}));
+  if (delayed) be.record_amax(amax_history, 1, out.amax, c10::nullopt);
 }
 
 LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const at::Tensor& x_t,
@@ -548,7 +523,7 @@ LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const
                         compute_dw);
   const bool delayed = r.kind == Recipe::Kind::kDelayed;
   c10::optional<at::Tensor> sdy;
-  if (delayed) sdy = delayed_scales(be, amax_history, 2, 1, r, r.grad_format).select(0, 0);
+  if (delayed) sdy = be.delayed_scales(amax_history, 2, 1, r, r.grad_format).select(0, 0);
   auto out = empty_backward_outputs(dy, x_t, w_t, weight_dtype, bias_dtype, false, false);
   const CastOut cdy = be.cast(dy.contiguous(), r.activation(), r.grad_format, compute_dw, sdy, r.pow2);
   if (compute_dx)
@@ -558,7 +533,7 @@ LinearBackwardOut linear_backward(const Backend& be, const at::Tensor& dy, const
     std::get<1>(out) = be.gemm(cdy.data_t, cdy.scale_t, x_t.contiguous(), x_t_scale.contiguous(), r.activation(),
                                r.activation(), c10::nullopt, weight_dtype, /*fast_accum=*/false);
   if (bias_dtype.has_value()) std::get<2>(out) = dy.sum(0, false, at::kFloat).to(*bias_dtype);
-  if (delayed) record_amax(amax_history, 2, cdy.amax.view({1}));
+  if (delayed) be.record_amax(amax_history, 2, cdy.amax, c10::nullopt);
   return out;
 }
 
@@ -581,12 +556,30 @@ CastOut cast_cpu_impl(const at::Tensor& input, Scaling scaling, Format format, b
   return out;
 }
 
-at::Tensor scale_from_amax_cpu(const at::Tensor& amax, float fmax, int64_t margin, bool pow2) {
-  const at::Tensor a = amax.contiguous();
-  at::Tensor out = at::empty_like(a);
-  fp8::scale_from_amax_cpu({a.data_ptr<float>(), a.numel(), fmax, static_cast<int>(margin), pow2,
+// The history's reference: ATen ops over it (the CUDA backend's kernels,
+// csrc/lowbit/fp8/fp8_history.cu, give the same bits in one launch each).
+at::Tensor delayed_scales_cpu(const at::Tensor& h, int64_t row0, int64_t n, const Recipe& r, Format f) {
+  const at::Tensor rows = h.narrow(0, row0, n);
+  const at::Tensor reduced = r.amax_max ? rows.amax(1) : rows.select(1, 0).contiguous();
+  at::Tensor out = at::empty_like(reduced);
+  fp8::scale_from_amax_cpu({reduced.data_ptr<float>(), n, fp8::format_max(f), static_cast<int>(r.margin), r.pow2,
                             out.data_ptr<float>()});
   return out;
+}
+
+// A non-finite amax (an inf or NaN in the tensor) is not recorded: the
+// row's previous most recent value is, so one bad batch does not set the
+// scales of the next L steps (TransformerEngine keeps the previous scale
+// then). `amax < inf` is false for inf and NaN alike.
+void record_amax_cpu(const at::Tensor& h, int64_t row0, const at::Tensor& amax0,
+                     const c10::optional<at::Tensor>& amax1) {
+  const at::Tensor amax =
+      amax1.has_value() ? at::stack({amax0.reshape({}), amax1->reshape({})}) : amax0.reshape({1});
+  at::Tensor rows = h.narrow(0, row0, amax.numel());
+  const at::Tensor value = at::where(amax.lt(std::numeric_limits<float>::infinity()), amax, rows.select(1, 0));
+  const int64_t len = h.size(1);
+  if (len > 1) rows.narrow(1, 1, len - 1).copy_(rows.narrow(1, 0, len - 1).clone());
+  rows.select(1, 0).copy_(value);
 }
 
 at::Tensor gemm_cpu_impl(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
@@ -598,8 +591,8 @@ at::Tensor gemm_cpu_impl(const at::Tensor& a, const at::Tensor& scale_a, const a
 // A copy always (.contiguous() of a transposed [1, K] is the input itself).
 at::Tensor transpose_codes_cpu(const at::Tensor& codes) { return codes.t().clone(at::MemoryFormat::Contiguous); }
 
-const Backend kCpuBackend{&cast_cpu_impl, &cast_into_cpu, &gemm_cpu_impl, &scale_from_amax_cpu,
-                          &transpose_codes_cpu};
+const Backend kCpuBackend{&cast_cpu_impl,      &cast_into_cpu,   &gemm_cpu_impl,
+                          &delayed_scales_cpu, &record_amax_cpu, &transpose_codes_cpu};
 
 CastTuple cast_cpu(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                    const c10::optional<at::Tensor>& scale, bool pow2_scales) {
@@ -686,10 +679,14 @@ LinearBackwardOut backward_meta(const at::Tensor& dy, const at::Tensor& x_t, con
   return empty_backward_outputs(dy, x_t, w_t, weight_dtype, bias_dtype, compute_dx, compute_dw);
 }
 
-// The Meta kernel returns before the backend is used.
+// The Meta kernels return before the backend is used.
 at::Tensor delayed_scale_cpu(const at::Tensor& amax_history, int64_t row, c10::string_view amax_compute,
                              int64_t margin, bool pow2_scales, c10::string_view dtype) {
   return delayed_scale(kCpuBackend, amax_history, row, amax_compute, margin, pow2_scales, dtype);
+}
+
+void record_amax_cpu_op(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
+  record_amax_op(kCpuBackend, amax_history, row, amax);
 }
 
 }  // namespace
@@ -702,7 +699,7 @@ TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_cpu);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_cpu);
   m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
-  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_op);
+  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_cpu_op);
 }
 
 TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
@@ -712,5 +709,5 @@ TORCH_LIBRARY_IMPL(lowbit, Meta, m) {
   m.impl("fp8_linear_backward", &lowbit::ops::fp8ops::backward_meta);
   m.impl("fp8_linear_cache_weight", &lowbit::ops::fp8ops::cache_weight_meta);
   m.impl("fp8_delayed_scale", &lowbit::ops::fp8ops::delayed_scale_cpu);
-  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_op);
+  m.impl("fp8_record_amax", &lowbit::ops::fp8ops::record_amax_cpu_op);
 }

@@ -95,8 +95,16 @@ struct Backend {
   at::Tensor (*gemm)(const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& b, const at::Tensor& scale_b,
                      Scaling, Scaling, const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                      bool fast_accum);
-  // scale_from_amax elementwise over a float32 tensor.
-  at::Tensor (*scale_from_amax)(const at::Tensor& amax, float fmax, int64_t margin, bool pow2);
+  // The delayed scales of history rows [row0, row0 + n) under `f`'s fmax
+  // and the recipe's amax_compute, margin and pow2: [n] float32, from the
+  // history as it is before this step records anything.
+  at::Tensor (*delayed_scales)(const at::Tensor& history, int64_t row0, int64_t n, const Recipe& r, Format f);
+  // Records amax0 into history row row0 and amax1, if given, into row0 + 1
+  // (float32, one value each, on the history's device), in place: the rows
+  // roll one column towards the old end, column 0 takes the new amax, or
+  // keeps its value where the amax is inf or NaN.
+  void (*record_amax)(const at::Tensor& history, int64_t row0, const at::Tensor& amax0,
+                      const c10::optional<at::Tensor>& amax1);
   // FP8 codes [R, C] -> their transposed copy [C, R] (contiguous).
   at::Tensor (*transpose_codes)(const at::Tensor& codes);
 };
@@ -125,7 +133,7 @@ LinearForwardOut linear_forward(const Backend& be, const at::Tensor& x, const at
 at::Tensor delayed_scale(const Backend& be, const at::Tensor& amax_history, int64_t row,
                          c10::string_view amax_compute, int64_t margin, bool pow2, c10::string_view dtype);
 // fp8_record_amax: `amax` recorded in history row `row`, in place.
-void record_amax_op(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax);
+void record_amax_op(const Backend& be, const at::Tensor& amax_history, int64_t row, const at::Tensor& amax);
 // fp8_linear_cache_weight: W cast into the cache buffers, in place.
 void linear_cache_weight(const Backend& be, const at::Tensor& weight, const at::Tensor& amax_history,
                          const at::Tensor& w_data, const at::Tensor& w_scale, const at::Tensor& w_t_data,

@@ -1,7 +1,8 @@
 // CUDA kernels of the FP8 training ops: the cast (csrc/lowbit/fp8/fp8_cast.cu),
 // the GEMM (at::_scaled_mm (cuBLASLt) where it takes the shape, else
-// lowbit's block-scaled kernel or the reference), and the Linear's forward /
-// backward (fp8_ops.cpp) over these.
+// lowbit's block-scaled kernel or the reference), the delayed history's
+// scales and record (csrc/lowbit/fp8/fp8_history.cu), and the Linear's
+// forward / backward (fp8_ops.cpp) over these.
 //
 // fp8_gemm on CUDA:
 //   tensor x tensor, row x row: at::_scaled_mm, which needs K and N
@@ -46,6 +47,7 @@
 #include "fp8_ops.h"
 #include "fp8_row_gemm_cuda.h"
 #include "lowbit/fp8/fp8_block_gemm.h"
+#include "lowbit/fp8/fp8_history.h"
 
 namespace lowbit::ops::fp8ops {
 namespace {
@@ -76,14 +78,25 @@ CastOut cast_cuda_impl(const at::Tensor& input, Scaling scaling, Format format, 
   return out;
 }
 
-at::Tensor scale_from_amax_cuda(const at::Tensor& amax, float fmax, int64_t margin, bool pow2) {
-  c10::cuda::CUDAGuard guard(amax.device());
-  const at::Tensor a = amax.contiguous();
-  at::Tensor out = at::empty_like(a);
-  C10_CUDA_CHECK(fp8::scale_from_amax_cuda(
-      {a.data_ptr<float>(), a.numel(), fmax, static_cast<int>(margin), pow2, out.data_ptr<float>()},
-      c10::cuda::getCurrentCUDAStream()));
+// The delayed history, one launch each (csrc/lowbit/fp8/fp8_history.cu),
+// bit for bit the CPU backend's ATen ops.
+at::Tensor delayed_scales_cuda(const at::Tensor& h, int64_t row0, int64_t n, const Recipe& r, Format f) {
+  c10::cuda::CUDAGuard guard(h.device());
+  at::Tensor out = at::empty({n}, h.options());
+  C10_CUDA_CHECK(fp8::history_scales_cuda({h.data_ptr<float>() + row0 * h.stride(0), n, h.size(1), h.stride(0),
+                                           h.stride(1), r.amax_max, fp8::format_max(f), static_cast<int>(r.margin),
+                                           r.pow2, out.data_ptr<float>()},
+                                          c10::cuda::getCurrentCUDAStream()));
   return out;
+}
+
+void record_amax_cuda_impl(const at::Tensor& h, int64_t row0, const at::Tensor& amax0,
+                           const c10::optional<at::Tensor>& amax1) {
+  c10::cuda::CUDAGuard guard(h.device());
+  fp8::HistoryRecordArgs a{h.data_ptr<float>() + row0 * h.stride(0), amax1.has_value() ? 2 : 1, h.size(1),
+                           h.stride(0), h.stride(1), {amax0.data_ptr<float>(), nullptr, nullptr}};
+  if (amax1.has_value()) a.amax[1] = amax1->data_ptr<float>();
+  C10_CUDA_CHECK(fp8::history_record_cuda(a, c10::cuda::getCurrentCUDAStream()));
 }
 
 bool scaled_mm_takes(const at::Tensor& a, const at::Tensor& b, Scaling sa, Scaling sb, at::ScalarType out_dtype) {
@@ -195,8 +208,8 @@ at::Tensor transpose_codes_cuda(const at::Tensor& codes) {
   return out;
 }
 
-const Backend kCudaBackend{&cast_cuda_impl, &cast_into_cuda, &gemm_cuda_impl, &scale_from_amax_cuda,
-                           &transpose_codes_cuda};
+const Backend kCudaBackend{&cast_cuda_impl,      &cast_into_cuda,        &gemm_cuda_impl,
+                           &delayed_scales_cuda, &record_amax_cuda_impl, &transpose_codes_cuda};
 
 CastTuple cast_cuda(const at::Tensor& input, c10::string_view scaling, c10::string_view dtype, bool transpose,
                     const c10::optional<at::Tensor>& scale, bool pow2_scales) {
@@ -248,12 +261,14 @@ LinearBackwardOut backward_cuda(const at::Tensor& dy, const at::Tensor& x_t, con
 }
 
 void record_amax_cuda(const at::Tensor& amax_history, int64_t row, const at::Tensor& amax) {
+  check_supported_gpu(amax_history, "fp8_record_amax");
   c10::cuda::CUDAGuard guard(amax_history.device());
-  record_amax_op(amax_history, row, amax);
+  record_amax_op(kCudaBackend, amax_history, row, amax);
 }
 
 at::Tensor delayed_scale_cuda(const at::Tensor& amax_history, int64_t row, c10::string_view amax_compute,
                               int64_t margin, bool pow2_scales, c10::string_view dtype) {
+  check_supported_gpu(amax_history, "fp8_delayed_scale");
   c10::cuda::CUDAGuard guard(amax_history.device());
   return delayed_scale(kCudaBackend, amax_history, row, amax_compute, margin, pow2_scales, dtype);
 }

@@ -661,9 +661,10 @@ FP8_TOL = 1e-2  # device vs CPU op on the same FP8 operands: accumulation order 
 
 def add_fp8_cases(b: Builder):
     """The FP8 training family: the cast (every scaling, transposed copy,
-    both formats), the GEMM through cuBLASLt (every scaling pair) and one
-    Linear step (forward + backward op) per recipe. Casts are checked bit for
-    bit against the CPU op; GEMM and Linear outputs within FP8_TOL of it."""
+    both formats), the GEMM through cuBLASLt (every scaling pair), one
+    Linear step (forward + backward op) per recipe and the delayed history's
+    ops. Casts and the history are checked bit for bit against the CPU op;
+    GEMM and Linear outputs within FP8_TOL of it."""
     from lowbit import Fp8Recipe
 
     m, k = (200, 264) if b.small else (1536, 2304)
@@ -792,6 +793,28 @@ def add_fp8_cases(b: Builder):
 
         b.add("fp8_linear", f"fp8_linear forward + backward (cuBLASLt GEMMs) {recipe.name} {recipe.grad_format} M={lm} N={ln} K={lk}",
               lambda step=step, history=history: step(lx, lw, lb, ldy, history), check_step)
+
+    # The delayed history's kernels on their own (fp8_history.cu): a history
+    # longer than the record kernel's chunk (its roll crosses chunks), every
+    # row's scale both ways, then a record into each row (one non-finite).
+    g = b.gen("fp8 history")
+    hist = torch.rand(3, 1500, generator=g, device=b.device) * 4 + 0.5
+    hist_amax = torch.tensor([2.5, float("inf"), 0.25], device=b.device)
+
+    def history_step(hist, amax):
+        h = hist.clone()
+        scales = [torch.ops.lowbit.fp8_delayed_scale(h, row, mode, 1, True)
+                  for row in range(3) for mode in ("max", "most_recent")]
+        for row in range(3):
+            torch.ops.lowbit.fp8_record_amax(h, row, amax[row])
+        return (*scales, h)
+
+    def check_history(out):
+        return None if same_bits([t.cpu() for t in out], list(history_step(hist.cpu(), hist_amax.cpu()))) \
+            else "differs from the CPU ops"
+
+    b.add("fp8_record_amax", "fp8_delayed_scale + fp8_record_amax, history [3, 1500]",
+          lambda: history_step(hist, hist_amax), check_history)
 
 
 FAMILIES = {"quant": add_quant_cases, "linear": add_linear_cases, "grouped": add_grouped_linear_cases,

@@ -469,3 +469,152 @@ def test_delayed_scale_and_x_amax_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="x_amax"):
         torch.ops.lowbit.fp8_linear_forward(codes.data, w, None, h, *recipe_args, save_x_t=False, x_scale=codes.scale,
                                             out_dtype=x.dtype, x_amax=torch.ones(2))
+
+
+# ---- the delayed history's CUDA kernels against the CPU ops -------------------------
+# One launch each for the scales and for the record (csrc/lowbit/fp8/fp8_history.cu);
+# the CPU ops (ATen) are the reference, bit for bit.
+
+HISTORY_LENS = [1, 2, 16, 1024, 1500]  # 1500: the record kernel's roll crosses chunks of 1024
+INF, NAN = float("inf"), float("nan")
+
+
+def random_history(length, *key):
+    """[3, L] amaxes over 40 binades, never zero (a zero row is "no history yet")."""
+    return torch.exp2(torch.empty(3, length).uniform_(-20, 20, generator=seeded("history kernels", length, *key)))
+
+
+def bits(t):
+    return t.cpu().view(torch.int32)
+
+
+def same_bits_nan_as_nan(got, want):
+    # CUDA arithmetic returns the canonical NaN, the CPU keeps the input's
+    # payload: a NaN scale must be NaN on both, every other scale bit-equal.
+    got, nan = got.cpu(), want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(bits(got.where(~nan, 0)), bits(want.where(~nan, 0)))
+
+
+def column_major(h):
+    return h.t().contiguous().t()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("length", HISTORY_LENS)
+@pytest.mark.parametrize("amax_compute", ["max", "most_recent"])
+@pytest.mark.parametrize("margin,pow2,dtype", [(0, False, "e4m3"), (2, False, "e5m2"), (-3, True, "e4m3"),
+                                               (0, True, "e5m2")])
+def test_cuda_delayed_scale_matches_cpu(length, amax_compute, margin, pow2, dtype):
+    history = random_history(length, "scale", amax_compute, margin, pow2)
+    history[1, length // 2] = INF  # row 0 finite, row 1 an inf, row 2 a NaN (NaN wins over inf)
+    history[2, length - 1] = NAN
+    history[2, length // 3] = INF
+    for h in (history, column_major(history)):
+        h_cuda = h.cuda()
+        assert h_cuda.stride() == h.stride()
+        for row in range(3):
+            want = torch.ops.lowbit.fp8_delayed_scale(h, row, amax_compute, margin, pow2, dtype)
+            got = torch.ops.lowbit.fp8_delayed_scale(h_cuda, row, amax_compute, margin, pow2, dtype)
+            assert got.shape == () and got.is_cuda
+            assert same_bits_nan_as_nan(got, want), (row, got, want)
+        assert torch.equal(bits(h_cuda), bits(h))  # read only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("length", HISTORY_LENS)
+def test_cuda_record_amax_matches_cpu(length):
+    history = random_history(length, "record")
+    history[2, 0] = NAN  # a NaN already recorded (by hand): a non-finite amax repeats it, bits and all
+    op = torch.ops.lowbit.fp8_record_amax
+    for want in (history.clone(), column_major(history)):
+        got = want.cuda()
+        assert got.stride() == want.stride()
+        for i, amax in enumerate([3.5, INF, NAN, 0.0, -INF, 2.0**-140, 448.0, NAN, INF]):
+            row = i % 3
+            op(want, row, torch.tensor(amax))
+            op(got, row, torch.tensor(amax, device="cuda"))
+            assert torch.equal(bits(got), bits(want)), (i, amax)
+        # An amax that is a view of the history itself (here the column the
+        # roll drops), read before the row moves; a [1]-shaped amax.
+        op(want, 1, want[1, -1])
+        op(got, 1, got[1, -1])
+        op(want, 0, torch.tensor([7.0]))
+        op(got, 0, torch.tensor([7.0], device="cuda"))
+        assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", RECIPES[2:4], ids=lambda r: r.amax_compute)
+def test_cuda_forward_records_x_and_w_like_cpu(recipe):
+    # The forward records x's and W's rows in one launch when it has both
+    # amaxes (from its casts or given), one row when it has one, each with a
+    # non-finite amax repeating the row's previous value; the same history
+    # and the same delayed scales as the CPU op.
+    x, w, _, _ = data((32,), 48, 64, ("cuda forward record", recipe.amax_compute))
+    x_bad = x.clone()
+    x_bad[3, 5] = INF
+    cx, cw = lowbit.fp8_cast(x, "tensor"), lowbit.fp8_cast(w, "tensor")
+    fp8_x = dict(x_scale=cx.scale, out_dtype=x.dtype)
+    cached_w = dict(w_fp8=cw.data, w_fp8_scale=cw.scale)
+    cases = {  # name: (x, kwargs)
+        "x and W cast": (x, {}),
+        "x with an inf cast, W cast": (x_bad, {}),
+        "FP8 x with x_amax, W cast": (cx.data, dict(fp8_x, x_amax=cx.amax)),
+        "FP8 x with an inf x_amax, cached W with w_amax": (cx.data, dict(fp8_x, **cached_w, x_amax=torch.tensor(INF),
+                                                                         w_amax=cw.amax)),
+        "x cast, cached W with a NaN w_amax": (x, dict(cached_w, w_amax=torch.tensor(NAN))),
+        "FP8 x without x_amax, W cast (W only)": (cx.data, fp8_x),
+        "FP8 x with x_amax, cached W without w_amax (x only)": (cx.data, dict(fp8_x, **cached_w, x_amax=cx.amax)),
+        "x cast, cached W without w_amax (x only)": (x, cached_w),
+    }
+    args = lowbit.fp8._recipe_args(recipe)
+    for name, (xs, kwargs) in cases.items():
+        history = random_history(recipe.amax_history_len, "forward", name)
+        outs = {}
+        for device in ("cpu", "cuda"):
+            h = history.clone().to(device)
+            kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            out = torch.ops.lowbit.fp8_linear_forward(xs.to(device), w.to(device), None, h, *args, **kw)
+            outs[device] = (h, out)
+        (h_cpu, out_cpu), (h_cuda, out_cuda) = outs["cpu"], outs["cuda"]
+        assert torch.equal(bits(h_cuda), bits(h_cpu)), name
+        assert not torch.equal(h_cpu, history), name  # something was recorded
+        if "x_scale" not in kwargs:  # x cast with the delayed scale: x_t_scale is it
+            assert torch.equal(out_cuda[2].cpu(), out_cpu[2]), name
+        if "w_fp8" not in kwargs:
+            assert torch.equal(out_cuda[4].cpu(), out_cpu[4]), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("length", [1, 3, 1500])
+def test_cuda_graph_history_kernels_replay(length):
+    # fp8_delayed_scale and fp8_record_amax captured in a CUDA graph: each
+    # replay reads the history and the amax as they are then, so two
+    # replays roll the history twice, as two CPU steps do.
+    want = random_history(length, "graph")
+    h = want.cuda()
+    amax = torch.tensor(0.0, device="cuda")
+    scale_args = ("max", 1, True, "e4m3")
+    torch.ops.lowbit.fp8_delayed_scale(h.clone(), 0, *scale_args)  # first calls outside the capture
+    torch.ops.lowbit.fp8_record_amax(h.clone(), 0, amax)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scale = torch.ops.lowbit.fp8_delayed_scale(h, 0, *scale_args)
+        torch.ops.lowbit.fp8_record_amax(h, 0, amax)
+        torch.ops.lowbit.fp8_record_amax(h, 2, amax)
+    assert torch.equal(h.cpu(), want)  # the capture ran nothing
+    original = want.clone()
+    for value in (5.0, NAN):
+        amax.fill_(value)
+        want_scale = torch.ops.lowbit.fp8_delayed_scale(want, 0, *scale_args)
+        torch.ops.lowbit.fp8_record_amax(want, 0, torch.tensor(value))
+        torch.ops.lowbit.fp8_record_amax(want, 2, torch.tensor(value))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(scale), bits(want_scale)), value
+        assert torch.equal(bits(h), bits(want)), value
+    # Rolled twice: 5, then 5 again (the NaN was not recorded), then the old row.
+    for row in (0, 2):
+        assert torch.equal(h[row].cpu(), torch.cat([torch.tensor([5.0, 5.0]), original[row]])[:length]), row
+    assert torch.equal(h[1].cpu(), original[1])

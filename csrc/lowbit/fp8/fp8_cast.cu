@@ -574,11 +574,6 @@ __global__ void fill_scales_kernel(float* s, int64_t n, const float* given) {
   if (i < n) s[i] = given ? *given : 1.f;
 }
 
-__global__ void scale_from_amax_kernel(ScaleArgs a) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < a.n) a.out[i] = scale_from_amax(a.amax[i], a.fmax, a.margin, a.pow2);
-}
-
 // Row scaling, between the amax pass and the cast: each row's and column's
 // scale from its amax, written out (scale, and scale_t with the transposed
 // copy) and kept with its reciprocal for the cast ([rows] then [cols]).
@@ -753,12 +748,6 @@ cudaError_t cast_cuda(const CastArgs& a, cudaStream_t stream) {
     case DType::kFloat16: return launch<__half>(a, stream);
   }
   return cudaErrorInvalidValue;
-}
-
-cudaError_t scale_from_amax_cuda(const ScaleArgs& a, cudaStream_t stream) {
-  if (a.n == 0) return cudaSuccess;
-  scale_from_amax_kernel<<<unsigned((a.n + 255) / 256), 256, 0, stream>>>(a);
-  return cudaGetLastError();
 }
 
 }  // namespace lowbit::fp8

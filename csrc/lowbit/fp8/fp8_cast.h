@@ -48,7 +48,8 @@ inline int64_t cast_workspace_bytes(const CastArgs& a) {
 }
 
 // out[i] = scale_from_amax(amax[i], fmax, margin, pow2), i < n: the delayed
-// recipe's scales from its reduced history.
+// recipe's scales from its reduced history (the CPU's; CUDA reduces and
+// scales in one kernel, fp8_history.h).
 struct ScaleArgs {
   const float* amax;  // [n]
   int64_t n;
@@ -67,7 +68,6 @@ void scale_from_amax_cpu(const ScaleArgs& args);
 // any code is written). A given scale and block scaling: one pass, each CTA
 // owning whole 128 x 128 tiles.
 cudaError_t cast_cuda(const CastArgs& args, cudaStream_t stream);
-cudaError_t scale_from_amax_cuda(const ScaleArgs& args, cudaStream_t stream);
 // out [cols, rows] = in [rows, cols] transposed, one byte per element: the
 // transposed copy of FP8 codes that are already made (an FP8 operand whose
 // scale is one for the whole tensor, e.g. x all-gathered in FP8). Column
