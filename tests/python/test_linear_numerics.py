@@ -140,13 +140,15 @@ def test_cuda_wrong_device_arguments():
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", [(48, 1168), (4096, 2048), (1024, 7168)])
+@pytest.mark.parametrize("n,k", [(48, 1168), (4096, 2048), (1024, 7168), (32, 8192), (48, 8208)])
 def test_cuda_fp8_mode_matches_cpu(dtype, n, k):
     # The FP8 mode on the GPU (E4M3 rows by lowbit's kernels, cuBLASLt's FP8
     # GEMM) against the CPU kernel, its reference: the same codes and
     # scales, so only the order of the FP32 sums and the output's rounding
     # differ. K = 1168 leaves the last k-tile partial (its padding blocks
-    # must not enter a row's amax). Odd M with a bias; fresh data per M.
+    # must not enter a row's amax). x's rows stay in registers up to K =
+    # 8192 and are read twice above (8208). Odd M with a bias; fresh data
+    # per M.
     gen = torch.Generator().manual_seed(n + k)
     _, q, deq, pw, ps, g = make_weight(n, k, gen)
     bias = torch.randn(n, generator=gen).to(dtype)

@@ -150,7 +150,13 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_weight_codes_kernel(
   }
 }
 
-// One CTA per row of x: its amax, then its codes (the row again, from L2).
+// Chunks of 8 elements a thread of fp8_rows_kernel keeps in registers: rows
+// of up to 256 x 4 x 8 = 8192 elements are read once.
+constexpr int kRowsKeptChunks = 4;
+
+// One CTA per row of x: its amax, then its codes. A row of up to 8192
+// elements stays in registers between the two; a longer one is read again
+// (from L2) for its codes.
 template <typename T>
 __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restrict__ x, int64_t k,
                                                                uint8_t* __restrict__ out,
@@ -159,7 +165,34 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restri
   const int64_t row = blockIdx.x;
   const T* src = x + row * k;  // 8 elements a load
   const int64_t chunks = k / 8;
+  uint2* dst = reinterpret_cast<uint2*>(out + row * k);
   float amax = 0.f;
+  if (chunks <= int64_t(kFp8Threads) * kRowsKeptChunks) {
+    float v[kRowsKeptChunks][8];
+#pragma unroll
+    for (int j = 0; j < kRowsKeptChunks; ++j) {
+      const int64_t c = threadIdx.x + int64_t(j) * kFp8Threads;
+      if (c < chunks) {
+        cuda::load8(src + 8 * c, v[j]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[j][i] = 0.f;  // |0| leaves the amax as it is
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsKeptChunks; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fp8_absmax(amax, v[j][i]);
+    amax = cta_max<kFp8Threads>(amax, red);
+    const float r = fp8_row_reciprocal(amax);
+    if (threadIdx.x == 0) row_scale[row] = fp8_row_scale(amax, 1.f);
+#pragma unroll
+    for (int j = 0; j < kRowsKeptChunks; ++j) {
+      const int64_t c = threadIdx.x + int64_t(j) * kFp8Threads;
+      if (c < chunks) dst[c] = e4m3x8(v[j], r);
+    }
+    return;
+  }
 #pragma unroll 4
   for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
     float v[8];
@@ -170,7 +203,6 @@ __global__ void __launch_bounds__(kFp8Threads) fp8_rows_kernel(const T* __restri
   amax = cta_max<kFp8Threads>(amax, red);
   const float r = fp8_row_reciprocal(amax);
   if (threadIdx.x == 0) row_scale[row] = fp8_row_scale(amax, 1.f);
-  uint2* dst = reinterpret_cast<uint2*>(out + row * k);
 #pragma unroll 4
   for (int64_t c = threadIdx.x; c < chunks; c += kFp8Threads) {
     float v[8];
