@@ -16,7 +16,8 @@
 #                                                   racecheck and initcheck: one process per op family)
 #   SANITIZE_FAMILIES="fp8 quant"                   sanitize: only these op families (one process each)
 #   COMMIT=abc1234 ...                              the commit the record names (default: git rev-parse)
-#   SPREAD_GPUS=4 WORKERS=24 ...                   a machine of several GPUs: worker k runs on GPU k mod 4;
+#   SPREAD_GPUS=4 WORKERS=24 ...                   a machine of several GPUs: worker k runs on the (k mod 4)-th GPU
+#                                                   (of CUDA_VISIBLE_DEVICES where set);
 #                                                   test_fp8_parallel.py's multi-GPU tests then run after, on all of them
 #   LOWBIT_TEST_WORLD=4 ...                         processes (GPUs) of test_fp8_parallel.py's multi-GPU tests (default 2)
 # With 8 workers the build and the whole suite take about 6 minutes on an

@@ -1,12 +1,16 @@
 import os
 
+from gpu_spread import spread_device
+
 # On a machine of several GPUs, scripts/gpu_check.sh (SPREAD_GPUS=n) spreads
-# pytest-xdist's workers over them: worker k sees only GPU k mod n. This must
-# be set before CUDA starts in the worker, hence before anything below.
-_SPREAD_GPUS = int(os.environ.get("LOWBIT_TEST_SPREAD_GPUS", "0") or 0)
-_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _SPREAD_GPUS > 1 and _XDIST_WORKER.startswith("gw"):
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_XDIST_WORKER[2:]) % _SPREAD_GPUS)
+# pytest-xdist's workers over them: worker k sees only the (k mod n)-th of
+# the run's GPUs. This must be set before CUDA starts in the worker, hence
+# before anything below.
+_DEVICE = spread_device(os.environ.get("PYTEST_XDIST_WORKER", ""),
+                        int(os.environ.get("LOWBIT_TEST_SPREAD_GPUS", "0") or 0),
+                        os.environ.get("CUDA_VISIBLE_DEVICES"))
+if _DEVICE is not None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = _DEVICE
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
